@@ -1,0 +1,87 @@
+"""Every metric the node exporter derives itself (rank liveness and state,
+per-GPU NVML readings, its own health).
+
+The rank-written metrics are in ``training.catalog``; together the two
+modules are the whole metric-name contract.
+"""
+
+from __future__ import annotations
+
+from training.catalog import MetricSpec
+
+# Rank states, one-hot in rankscope_rank_state (DESIGN.md, "Rank state").
+RANK_STATES: tuple[str, ...] = (
+    "starting",             # registered, no step completed yet, not stuck
+    "progressing",          # steps complete
+    "stuck_in_collective",  # heartbeating, no step for a while, inside a collective
+    "stuck",                # heartbeating, no step for a while, outside any collective
+    "frozen",               # process alive, heartbeat stopped (SIGSTOP, GIL held in native code)
+    "dead",                 # process gone without finishing
+    "finished",             # the monitor was closed normally
+)
+
+COLLECTORS: tuple[str, ...] = ("ranks", "nvml")
+
+THROTTLE_REASONS: tuple[str, ...] = (
+    "gpu_idle",
+    "applications_clocks_setting",
+    "sw_power_cap",
+    "hw_slowdown",
+    "sync_boost",
+    "sw_thermal_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
+    "display_clock_setting",
+)
+
+GPU_LABELS: tuple[str, ...] = ("node", "gpu", "uuid")
+
+
+def _rank(name: str, kind: str, help: str, labels: tuple[str, ...] = ()) -> MetricSpec:
+    return MetricSpec(name, kind, help, labels)  # type: ignore[arg-type]
+
+
+def _node(name: str, kind: str, help: str, labels: tuple[str, ...] = ()) -> MetricSpec:
+    return MetricSpec(name, kind, help, labels, identity=False)  # type: ignore[arg-type]
+
+
+EXPORTER_METRICS: tuple[MetricSpec, ...] = (
+    # per rank, derived from the rank's files and its process
+    _rank("rankscope_rank_up", "gauge", "1 if the rank's process is alive, 0 if it is gone."),
+    _rank("rankscope_rank_state", "gauge", "1 for the rank's current state, 0 for the others.", ("state",)),
+    _rank("rankscope_hang_suspect", "gauge",
+          "1 if the rank is outside any collective while peers on this node have waited in one past the threshold."),
+    _rank("rankscope_step_stalled_seconds", "gauge",
+          "Seconds since the rank last completed a step (since it started, if none)."),
+    _rank("rankscope_heartbeat_age_seconds", "gauge", "Seconds since the rank's last heartbeat."),
+    _rank("rankscope_collective_in_flight_seconds", "gauge",
+          "Seconds the collective now in flight has been running; 0 when none is.", ("op",)),
+    # per GPU, from NVML
+    _node("rankscope_gpu_info", "gauge", "Identity of a GPU (value 1).", GPU_LABELS + ("name", "driver_version")),
+    _node("rankscope_gpu_utilization_ratio", "gauge", "Fraction of time a kernel was running on the GPU.", GPU_LABELS),
+    _node("rankscope_gpu_memory_utilization_ratio", "gauge",
+          "Fraction of time device memory was being read or written.", GPU_LABELS),
+    _node("rankscope_gpu_memory_used_bytes", "gauge", "Device memory used (all processes).", GPU_LABELS),
+    _node("rankscope_gpu_memory_total_bytes", "gauge", "Device memory in total.", GPU_LABELS),
+    _node("rankscope_gpu_power_watts", "gauge", "Power draw.", GPU_LABELS),
+    _node("rankscope_gpu_power_limit_watts", "gauge", "Enforced power limit.", GPU_LABELS),
+    _node("rankscope_gpu_energy_joules_total", "counter", "Energy consumed since the driver loaded.", GPU_LABELS),
+    _node("rankscope_gpu_temperature_celsius", "gauge", "GPU core temperature.", GPU_LABELS),
+    _node("rankscope_gpu_sm_clock_hertz", "gauge", "Streaming-multiprocessor clock.", GPU_LABELS),
+    _node("rankscope_gpu_throttled", "gauge", "1 while the clocks are reduced for this reason.",
+          GPU_LABELS + ("reason",)),
+    _node("rankscope_gpu_ecc_errors_total", "counter", "ECC errors since the driver loaded (volatile).",
+          GPU_LABELS + ("type",)),
+    _node("rankscope_gpu_xid_errors_total", "counter", "Critical XID error events seen by this exporter.",
+          GPU_LABELS),
+    _node("rankscope_gpu_last_xid", "gauge", "Code of the last critical XID error seen; 0 if none.", GPU_LABELS),
+    # the exporter itself
+    _node("rankscope_exporter_info", "gauge", "Exporter identity (value 1).", ("node", "version", "directory")),
+    _node("rankscope_exporter_collector_success", "gauge", "1 if the collector's last run succeeded.",
+          ("collector",)),
+    _node("rankscope_exporter_collect_duration_seconds", "gauge", "Duration of the collector's last run.",
+          ("collector",)),
+    _node("rankscope_exporter_ranks", "gauge", "Rank processes known to this exporter, by state.", ("state",)),
+)
+
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in EXPORTER_METRICS}

@@ -1,0 +1,161 @@
+"""Every metric a rank writes: name, type, help, labels.
+
+This module is the rank side of the metric-name contract (DESIGN.md,
+"Metric names"). Rules, dashboards and tests refer only to names defined here
+or in ``exporter.catalog``; ``tests/test_catalog.py`` enforces it.
+
+It imports nothing heavy (no torch, no prometheus_client) so that the exporter,
+the docs generator and the tests can read it cheaply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+PREFIX = "rankscope_"
+
+# Identity labels carried by every per-rank series. `job` and `instance` are
+# Prometheus's target labels and must never be exported by us.
+IDENTITY_LABELS: tuple[str, ...] = ("run", "rank", "local_rank", "node")
+
+# Bounded label values. Anything not listed here is rejected at start-up.
+PHASES: tuple[str, ...] = ("data", "forward", "backward", "optimizer", "comm_wait", "other")
+COLLECTIVE_OPS: tuple[str, ...] = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "barrier",
+    "all_to_all",
+    "send",
+    "recv",
+)
+NONFINITE_WHAT: tuple[str, ...] = ("loss", "grad")
+
+# Step times range from ~1 ms (tiny CPU models) to minutes (huge GPU steps).
+STEP_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75,
+    1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+# Collectives range from tens of microseconds (small NCCL all-reduce) to
+# seconds (large gloo transfers, or waiting for a straggler).
+COLLECTIVE_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+)
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric of the contract.
+
+    ``labels`` are the labels beyond the identity labels (which every rank
+    series carries; exporter-side specs say whether they do with
+    ``identity``). ``gauge_mode`` is prometheus_client's multiprocess mode:
+    ``mostrecent`` keeps the last value after the process dies (post-mortem
+    value of memory, step, loss), ``livemostrecent`` drops it when the
+    exporter marks the process dead (heartbeat, in-flight collectives: a dead
+    rank is in no collective).
+    """
+
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    identity: bool = True
+    gauge_mode: str = "mostrecent"
+    buckets: tuple[float, ...] | None = None
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return (IDENTITY_LABELS if self.identity else ()) + self.labels
+
+
+def _c(name: str, help: str, labels: tuple[str, ...] = ()) -> MetricSpec:
+    return MetricSpec(name, "counter", help, labels)
+
+
+def _g(name: str, help: str, labels: tuple[str, ...] = (), mode: str = "mostrecent") -> MetricSpec:
+    return MetricSpec(name, "gauge", help, labels, gauge_mode=mode)
+
+
+def _h(name: str, help: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> MetricSpec:
+    return MetricSpec(name, "histogram", help, labels, buckets=buckets)
+
+
+# Labels of rankscope_rank_info beyond identity. Empty string where unknown.
+RANK_INFO_LABELS: tuple[str, ...] = (
+    "world_size",
+    "local_world_size",
+    "pid",
+    "hostname",
+    "device",
+    "gpu_uuid",
+    "backend",
+    "torch_version",
+    "nccl_version",
+    "rankscope_version",
+    "slurm_job_id",
+    "k8s_pod",
+)
+
+RANK_METRICS: tuple[MetricSpec, ...] = (
+    # identity and liveness
+    _g("rankscope_rank_info", "Identity of a rank (value 1): world size, pid, device, GPU UUID, backend, versions.",
+       RANK_INFO_LABELS),
+    _g("rankscope_rank_start_timestamp_seconds", "Unix time at which the rank's monitor started."),
+    _g("rankscope_heartbeat_timestamp_seconds",
+       "Unix time of the rank's last heartbeat (a background thread beats while the interpreter runs).",
+       mode="livemostrecent"),
+    # steps
+    _g("rankscope_step", "Global training step of the last completed step."),
+    _c("rankscope_steps_total", "Training steps completed by this rank process."),
+    _h("rankscope_step_duration_seconds", "Wall-clock duration of training steps.", STEP_BUCKETS),
+    _g("rankscope_step_last_duration_seconds", "Wall-clock duration of the last completed step."),
+    _g("rankscope_last_step_timestamp_seconds", "Unix time at which the last step completed."),
+    _c("rankscope_phase_seconds_total",
+       "Seconds spent per step phase; exposed communication wait is 'comm_wait', untracked time 'other'.",
+       ("phase",)),
+    _c("rankscope_samples_total", "Training samples processed."),
+    _c("rankscope_tokens_total", "Training tokens processed."),
+    # loss and training health
+    _g("rankscope_loss", "Loss of the last step whose value is known."),
+    _g("rankscope_loss_ema", "Exponential moving average of the loss."),
+    _g("rankscope_loss_zscore", "Last loss in standard deviations above its rolling mean."),
+    _g("rankscope_grad_norm", "Gradient norm of the last step that reported one."),
+    _g("rankscope_learning_rate", "Learning rate of the last step."),
+    _c("rankscope_nonfinite_total", "Steps whose loss or gradient norm was NaN or infinite.", ("what",)),
+    _c("rankscope_loss_spikes_total", "Steps whose loss z-score exceeded the spike threshold."),
+    _c("rankscope_grad_norm_spikes_total", "Steps whose gradient norm exceeded the explosion factor times its average."),
+    # collectives
+    _h("rankscope_collective_duration_seconds",
+       "Collective duration from launch to completion (DDP buckets: completion under overlap with backward).",
+       COLLECTIVE_BUCKETS, ("op",)),
+    _g("rankscope_collective_last_duration_seconds", "Duration of the last completed collective.", ("op",)),
+    _c("rankscope_collective_bytes_total", "Bytes of input handed to collectives.", ("op",)),
+    _g("rankscope_collective_in_flight", "1 while the rank is inside a collective of this op, else 0.", ("op",),
+       mode="livemostrecent"),
+    _g("rankscope_collective_started_timestamp_seconds",
+       "Unix time at which the collective now in flight started; 0 when none is.", ("op",), mode="livemostrecent"),
+    # memory
+    _g("rankscope_device_memory_allocated_bytes", "Bytes currently allocated by the CUDA caching allocator."),
+    _g("rankscope_device_memory_reserved_bytes", "Bytes currently reserved by the CUDA caching allocator."),
+    _g("rankscope_device_memory_peak_allocated_bytes", "Peak bytes allocated by the CUDA caching allocator."),
+    _g("rankscope_device_memory_total_bytes", "Total memory of the rank's device."),
+    _c("rankscope_alloc_retries_total", "Allocator retries after a failed cudaMalloc (cache flush and retry)."),
+    _c("rankscope_oom_total", "Out-of-memory errors raised inside a monitored step."),
+    _g("rankscope_host_memory_rss_bytes", "Resident set size of the rank process."),
+    _g("rankscope_host_memory_limit_bytes", "Memory limit of the rank's cgroup, or the host's total memory."),
+    # self-telemetry
+    _c("rankscope_spans_dropped_total", "Spans dropped or failed to export (queue full, collector down)."),
+    _c("rankscope_telemetry_errors_total",
+       "Errors inside rankscope's own telemetry, by component; training continued.", ("component",)),
+)
+
+# Names a user-declared metric may not take (see Monitor.custom).
+USER_PREFIX = PREFIX + "user_"
+
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in RANK_METRICS}

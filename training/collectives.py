@@ -1,0 +1,225 @@
+"""Collective timing and in-flight tracking.
+
+Two clocks, chosen per tensor:
+
+* CPU tensors (gloo): wall clock from launch to completion. The completion
+  callback runs when gloo finishes the work.
+* CUDA tensors (NCCL): an NCCL future completes when the work is *enqueued*,
+  so wall clock measures nothing. A start event is recorded on the current
+  stream before launch and an end event inside the completion callback, whose
+  current stream torch synchronises with the collective's kernels. The pair
+  is read later with ``event.query()`` (by the background publisher), never
+  with ``synchronize()``; until then the collective counts as in flight.
+
+The hot path only appends to bounded structures; the publisher drains them
+into the metrics. What a DDP bucket duration means: time from the bucket's
+launch to its completion while the rest of backward still runs ("completion
+under overlap"); the part of it that backward had to wait for after its own
+compute was done is reported separately as the ``comm_wait`` phase.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from training.catalog import COLLECTIVE_OPS
+
+MAX_PENDING = 4096  # completed-but-unpublished records kept before dropping
+
+
+@dataclass(slots=True)
+class CollectiveRecord:
+    op: str
+    nbytes: int
+    start: float        # unix seconds at launch (host)
+    duration: float     # seconds
+    bucket: int = -1    # DDP bucket index, -1 for explicit collectives
+
+
+class _DeviceSpan:
+    """A CUDA event pair still waiting to be read."""
+
+    __slots__ = ("token", "op", "nbytes", "start_unix", "bucket", "start_event", "end_event")
+
+    def __init__(self, token, op, nbytes, start_unix, bucket, start_event, end_event):
+        self.token = token
+        self.op = op
+        self.nbytes = nbytes
+        self.start_unix = start_unix
+        self.bucket = bucket
+        self.start_event = start_event
+        self.end_event = end_event
+
+
+class EventPool:
+    """Reuses CUDA timing events: creating one per collective would allocate on the hot path."""
+
+    def __init__(self, factory: Callable[[], Any], size: int = 256):
+        self._factory = factory
+        self._free: list[Any] = []
+        self._size = size
+
+    def get(self):
+        return self._free.pop() if self._free else self._factory()
+
+    def put(self, event) -> None:
+        if len(self._free) < self._size:
+            self._free.append(event)
+
+
+class CollectiveTracker:
+    """Knows which collectives are in flight and buffers completed ones.
+
+    Written by the training thread and by completion callbacks (gloo's
+    thread); read by the publisher. Python's dict and deque operations used
+    here are atomic under the GIL, so no lock is taken on the hot path.
+    """
+
+    def __init__(self, world_size: int, event_factory: Callable[[], Any] | None = None):
+        self.world_size = world_size
+        self._tokens = itertools.count()
+        self._in_flight: dict[int, tuple[str, float]] = {}   # token -> (op, unix start)
+        self.completed: deque[CollectiveRecord] = deque(maxlen=MAX_PENDING)
+        self.recent: deque[CollectiveRecord] = deque(maxlen=256)   # for traces of the current step
+        self.dropped = 0
+        self._device: deque[_DeviceSpan] = deque()
+        self._events = EventPool(event_factory) if event_factory else None
+        self._drain_lock = threading.Lock()
+        # Timing of the current step's DDP buckets (for the exposed wait).
+        self.last_bucket_launch = 0.0   # perf_counter of the latest bucket launch
+        self.last_bucket_done = 0.0     # perf_counter of the latest bucket completion
+
+    # -- host (wall clock) ------------------------------------------------
+    def begin(self, op: str) -> tuple[int, float, float]:
+        token = next(self._tokens)
+        t0 = time.perf_counter()
+        start = time.time()
+        self._in_flight[token] = (op, start)
+        return token, t0, start
+
+    def end(self, token: int, op: str, nbytes: int, t0: float, start: float, bucket: int = -1) -> None:
+        t1 = time.perf_counter()
+        self._in_flight.pop(token, None)
+        self._record(CollectiveRecord(op, nbytes, start, t1 - t0, bucket))
+
+    # -- device (CUDA events) ---------------------------------------------
+    def begin_device(self, op: str, nbytes: int, bucket: int = -1) -> _DeviceSpan:
+        token = next(self._tokens)
+        start = time.time()
+        self._in_flight[token] = (op, start)
+        start_event = self._events.get()
+        start_event.record()
+        return _DeviceSpan(token, op, nbytes, start, bucket, start_event, None)
+
+    def end_device(self, span: _DeviceSpan) -> None:
+        """Call on the stream that is synchronised with the collective's completion."""
+        span.end_event = self._events.get()
+        span.end_event.record()
+        self._device.append(span)
+
+    def poll_device(self) -> int:
+        """Read finished event pairs, in launch order; never blocks. Returns how many."""
+        done = 0
+        with self._drain_lock:
+            while self._device and self._device[0].end_event.query():
+                span = self._device.popleft()
+                ms = span.start_event.elapsed_time(span.end_event)
+                self._in_flight.pop(span.token, None)
+                self._record(CollectiveRecord(span.op, span.nbytes, span.start_unix, ms / 1000.0, span.bucket))
+                self._events.put(span.start_event)
+                self._events.put(span.end_event)
+                done += 1
+        return done
+
+    # -- shared -----------------------------------------------------------
+    def _record(self, record: CollectiveRecord) -> None:
+        if len(self.completed) == self.completed.maxlen:
+            self.dropped += 1
+        self.completed.append(record)
+        self.recent.append(record)
+
+    def drain(self) -> list[CollectiveRecord]:
+        out = []
+        completed = self.completed
+        while completed:
+            try:
+                out.append(completed.popleft())
+            except IndexError:
+                break
+        return out
+
+    def recent_since(self, start: float) -> list[CollectiveRecord]:
+        """Completed collectives that started at or after ``start`` (unix seconds)."""
+        return [r for r in list(self.recent) if r.start >= start]
+
+    def in_flight(self) -> dict[str, float]:
+        """op -> unix start of its oldest collective still in flight."""
+        oldest: dict[str, float] = {}
+        for op, start in list(self._in_flight.values()):
+            if op not in oldest or start < oldest[op]:
+                oldest[op] = start
+        return oldest
+
+
+def tensor_nbytes(tensors: Iterable[Any]) -> int:
+    total = 0
+    for t in tensors:
+        if isinstance(t, (list, tuple)):
+            total += tensor_nbytes(t)
+        elif hasattr(t, "element_size"):
+            total += t.numel() * t.element_size()
+    return total
+
+
+def check_op(op: str) -> None:
+    if op not in COLLECTIVE_OPS:
+        raise ValueError(f"collective op {op!r} is not one of {', '.join(COLLECTIVE_OPS)}")
+
+
+def ddp_timing_hook(tracker: CollectiveTracker, on_error: Callable[[], None]):
+    """A DDP comm hook that all-reduces each bucket exactly as DDP's default
+    (divide by world size, sum) and times it.
+
+    Registering any Python hook replaces DDP's fused C++ division with the
+    explicit ``div_`` below: that pass is the hook's main cost on CPU
+    (see README, Performance).
+    """
+    import torch.distributed as dist
+
+    def hook(process_group, bucket):
+        group = process_group if process_group is not None else dist.group.WORLD
+        buf = bucket.buffer()
+        buf.div_(group.size())
+        nbytes = buf.numel() * buf.element_size()
+        index = bucket.index()
+        tracker.last_bucket_launch = time.perf_counter()
+        if buf.is_cuda:
+            span = tracker.begin_device("all_reduce", nbytes, index)
+            fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+
+            def done(f):
+                try:
+                    tracker.end_device(span)
+                except Exception:  # telemetry must never fail the backward pass
+                    on_error()
+                return f.value()[0]
+        else:
+            token, t0, start = tracker.begin("all_reduce")
+            fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+
+            def done(f):
+                try:
+                    tracker.end(token, "all_reduce", nbytes, t0, start, index)
+                    tracker.last_bucket_done = time.perf_counter()
+                except Exception:
+                    on_error()
+                return f.value()[0]
+
+        return fut.then(done)
+
+    return hook

@@ -1,0 +1,115 @@
+"""Monitor configuration: one small dataclass, validated at start-up.
+
+Every option can come from the constructor or from a ``RANKSCOPE_*``
+environment variable; a bad value raises ``ConfigError`` naming the option
+before training starts, never later.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+COMM_TIMING_MODES = ("hook", "off")
+EXPORTER_MODES = ("auto", "external", "off")
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong. The message names the option."""
+
+
+def default_metrics_dir() -> Path:
+    """Node-wide directory the ranks and the exporter share.
+
+    /dev/shm keeps the mmap files in memory; it exists on Linux and in most
+    containers (Kubernetes gives it 64 MiB by default, enough for ~100 ranks).
+    """
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"rankscope-{os.getuid()}"
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """What the rank-side monitor does. Environment: ``RANKSCOPE_<FIELD>``."""
+
+    run: str | None = None
+    """Run identity; default: TORCHELASTIC_RUN_ID, Slurm or Kubernetes job id."""
+    metrics_dir: Path = field(default_factory=default_metrics_dir)
+    """Directory shared with the node exporter (one sub-directory per run)."""
+    exporter: str = "auto"
+    """auto: start the node exporter if none serves metrics_port; external: expect one; off: write files only."""
+    metrics_port: int = 9400
+    metrics_addr: str = "127.0.0.1"
+    publish_interval_s: float = 0.5
+    """How often the background thread beats and publishes buffered values."""
+    loss_window: int = 100
+    """Steps in the rolling window for the loss z-score."""
+    loss_ema_alpha: float = 0.05
+    spike_zscore: float = 6.0
+    """A loss this many standard deviations above its rolling mean is a spike."""
+    spike_warmup_steps: int = 20
+    grad_spike_factor: float = 10.0
+    """A gradient norm this many times its moving average is an explosion."""
+    comm_timing: str = "hook"
+    """hook: time every DDP bucket through a comm hook; off: no hook."""
+    memory_every_s: float = 2.0
+    """How often device and host memory are sampled (background thread)."""
+
+    def __post_init__(self) -> None:
+        if self.run is not None and not _valid_label_value(self.run):
+            raise ConfigError(f"run: {self.run!r} must be 1-128 printable characters")
+        if self.exporter not in EXPORTER_MODES:
+            raise ConfigError(f"exporter: {self.exporter!r} is not one of {', '.join(EXPORTER_MODES)}")
+        if self.comm_timing not in COMM_TIMING_MODES:
+            raise ConfigError(f"comm_timing: {self.comm_timing!r} is not one of {', '.join(COMM_TIMING_MODES)}")
+        if not (0 < self.metrics_port < 65536):
+            raise ConfigError(f"metrics_port: {self.metrics_port} is not a TCP port (1-65535)")
+        for name in ("publish_interval_s", "memory_every_s", "loss_ema_alpha", "spike_zscore", "grad_spike_factor"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)!r}")
+        if not self.loss_ema_alpha <= 1:
+            raise ConfigError(f"loss_ema_alpha: must be in (0, 1], got {self.loss_ema_alpha}")
+        if self.loss_window < 2:
+            raise ConfigError(f"loss_window: must be >= 2, got {self.loss_window}")
+        if self.spike_warmup_steps < 0:
+            raise ConfigError(f"spike_warmup_steps: must be >= 0, got {self.spike_warmup_steps}")
+        if self.metrics_dir.exists() and not self.metrics_dir.is_dir():
+            raise ConfigError(f"metrics_dir: {self.metrics_dir} exists and is not a directory")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> "MonitorConfig":
+        """Explicit arguments win over ``RANKSCOPE_*`` variables, which win over defaults."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            var = "RANKSCOPE_" + f.name.upper()
+            if f.name in overrides and overrides[f.name] is not None:
+                values[f.name] = overrides[f.name]
+            elif env.get(var, "") != "":
+                values[f.name] = _parse(var, env[var], f.type)
+        unknown = set(overrides) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown option(s): {', '.join(sorted(unknown))}")
+        if "metrics_dir" in values:
+            values["metrics_dir"] = Path(values["metrics_dir"])
+        return cls(**values)
+
+
+def _parse(var: str, raw: str, typ: Any) -> Any:
+    typ = str(typ)
+    try:
+        if "int" in typ:
+            return int(raw)
+        if "float" in typ:
+            return float(raw)
+    except ValueError:
+        raise ConfigError(f"{var}={raw!r} is not a number") from None
+    return raw
+
+
+def _valid_label_value(value: str) -> bool:
+    return 0 < len(value) <= 128 and value.isprintable()

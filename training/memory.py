@@ -1,0 +1,67 @@
+"""Memory readings, taken by the background publisher (never on the hot path).
+
+CUDA: the caching allocator's own counters (``torch.cuda.memory_stats``), a
+host-side read that does not synchronise the device. CPU runs: the process RSS
+from /proc and the memory limit of the cgroup (or of the host).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class MemoryReading:
+    rss: float
+    allocated: float = 0.0
+    reserved: float = 0.0
+    peak: float = 0.0
+    retries: float = 0.0     # cumulative, from the allocator
+    ooms: float = 0.0        # cumulative, from the allocator
+
+
+def rss_bytes() -> float:
+    with open("/proc/self/statm") as f:
+        return float(f.read().split()[1]) * _PAGE
+
+
+def host_limit_bytes() -> float:
+    """cgroup v2 or v1 memory limit; the host's physical memory when unlimited."""
+    total = float(os.sysconf("SC_PHYS_PAGES") * _PAGE)
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            raw = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if raw.isdigit() and 0 < int(raw) < total:
+            return float(raw)
+    return total
+
+
+class MemorySampler:
+    def __init__(self, device):
+        self.device = device
+        self.cuda = device is not None and getattr(device, "type", "") == "cuda"
+        self.total = 0.0
+        if self.cuda:
+            import torch
+
+            self.total = float(torch.cuda.get_device_properties(device).total_memory)
+        self.host_limit = host_limit_bytes()
+
+    def read(self) -> MemoryReading:
+        reading = MemoryReading(rss=rss_bytes())
+        if self.cuda:
+            import torch
+
+            stats = torch.cuda.memory_stats(self.device)
+            reading.allocated = float(stats.get("allocated_bytes.all.current", 0))
+            reading.reserved = float(stats.get("reserved_bytes.all.current", 0))
+            reading.peak = float(stats.get("allocated_bytes.all.peak", 0))
+            reading.retries = float(stats.get("num_alloc_retries", 0))
+            reading.ooms = float(stats.get("num_ooms", 0))
+        return reading

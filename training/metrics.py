@@ -1,0 +1,147 @@
+"""The rank's metric objects, built from the catalog and bound to its identity.
+
+prometheus_client decides between in-process and mmap-file values through the
+module-level ``values.ValueClass``, chosen once at import from
+PROMETHEUS_MULTIPROC_DIR. Rather than depend on import order (a user may
+import prometheus_client long before us), rankscope builds its own
+mmap-backed value class for its directory and installs it only while its own
+metric children are created. The user's own prometheus_client metrics, if any,
+are left exactly as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
+
+from training import catalog
+from training.catalog import MetricSpec
+from training.config import ConfigError
+
+_value_classes: dict[Path, type] = {}
+_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def mmap_values(directory: Path) -> Iterator[None]:
+    """Create prometheus_client values as mmap files in ``directory``."""
+    with _lock:
+        value_class = _value_classes.get(directory)
+        if value_class is None:
+            previous = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+            if previous and Path(previous).resolve() != directory.resolve():
+                raise ConfigError(
+                    f"PROMETHEUS_MULTIPROC_DIR={previous} is set to another directory; rankscope writes to "
+                    f"{directory}. Unset it, or set RANKSCOPE_METRICS_DIR to the same directory."
+                )
+            # The value class reads this variable when it opens a file (and
+            # again after a fork), so it must stay set for the process.
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
+            value_class = _value_classes[directory] = values.MultiProcessValue()
+        saved = values.ValueClass
+        values.ValueClass = value_class
+        try:
+            yield
+        finally:
+            values.ValueClass = saved
+
+
+def build_metric(spec: MetricSpec, registry: CollectorRegistry, extra_labels: tuple[str, ...] = ()):
+    labels = spec.label_names + extra_labels
+    if spec.kind == "counter":
+        return Counter(spec.name, spec.help, labels, registry=registry)
+    if spec.kind == "gauge":
+        return Gauge(spec.name, spec.help, labels, registry=registry, multiprocess_mode=spec.gauge_mode)
+    if spec.kind == "histogram":
+        return Histogram(spec.name, spec.help, labels, registry=registry, buckets=spec.buckets)
+    raise ValueError(f"unknown metric kind {spec.kind!r}")
+
+
+class RankMetrics:
+    """Pre-bound children of every catalog metric for one rank.
+
+    Binding happens once at start-up: a ``labels()`` lookup costs about a
+    microsecond, too much to pay per step for every metric.
+    """
+
+    def __init__(self, directory: Path, identity_labels: dict[str, str]):
+        self.directory = directory
+        self.identity = identity_labels
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._metrics = {}
+        with mmap_values(directory):
+            for spec in catalog.RANK_METRICS:
+                self._metrics[spec.name] = build_metric(spec, self.registry)
+            ident = tuple(identity_labels[name] for name in catalog.IDENTITY_LABELS)
+            m = self._metrics
+            b = self.bind
+            self.start_ts = b("rankscope_rank_start_timestamp_seconds")
+            self.heartbeat = b("rankscope_heartbeat_timestamp_seconds")
+            self.step = b("rankscope_step")
+            self.steps = b("rankscope_steps_total")
+            self.step_duration = b("rankscope_step_duration_seconds")
+            self.step_last = b("rankscope_step_last_duration_seconds")
+            self.step_ts = b("rankscope_last_step_timestamp_seconds")
+            self.phase = {p: m["rankscope_phase_seconds_total"].labels(*ident, p) for p in catalog.PHASES}
+            self.samples = b("rankscope_samples_total")
+            self.tokens = b("rankscope_tokens_total")
+            self.loss = b("rankscope_loss")
+            self.loss_ema = b("rankscope_loss_ema")
+            self.loss_z = b("rankscope_loss_zscore")
+            self.grad_norm = b("rankscope_grad_norm")
+            self.lr = b("rankscope_learning_rate")
+            self.nonfinite = {w: m["rankscope_nonfinite_total"].labels(*ident, w) for w in catalog.NONFINITE_WHAT}
+            self.loss_spikes = b("rankscope_loss_spikes_total")
+            self.grad_spikes = b("rankscope_grad_norm_spikes_total")
+            self.coll_duration = {o: m["rankscope_collective_duration_seconds"].labels(*ident, o)
+                                  for o in catalog.COLLECTIVE_OPS}
+            self.coll_last = {o: m["rankscope_collective_last_duration_seconds"].labels(*ident, o)
+                              for o in catalog.COLLECTIVE_OPS}
+            self.coll_bytes = {o: m["rankscope_collective_bytes_total"].labels(*ident, o)
+                               for o in catalog.COLLECTIVE_OPS}
+            self.coll_in_flight = {o: m["rankscope_collective_in_flight"].labels(*ident, o)
+                                   for o in catalog.COLLECTIVE_OPS}
+            self.coll_started = {o: m["rankscope_collective_started_timestamp_seconds"].labels(*ident, o)
+                                 for o in catalog.COLLECTIVE_OPS}
+            self.mem_allocated = b("rankscope_device_memory_allocated_bytes")
+            self.mem_reserved = b("rankscope_device_memory_reserved_bytes")
+            self.mem_peak = b("rankscope_device_memory_peak_allocated_bytes")
+            self.mem_total = b("rankscope_device_memory_total_bytes")
+            self.alloc_retries = b("rankscope_alloc_retries_total")
+            self.ooms = b("rankscope_oom_total")
+            self.rss = b("rankscope_host_memory_rss_bytes")
+            self.mem_limit = b("rankscope_host_memory_limit_bytes")
+            self.spans_dropped = b("rankscope_spans_dropped_total")
+            self._errors_metric = m["rankscope_telemetry_errors_total"]
+            self._ident = ident
+            self.errors: dict[str, object] = {}
+            for component in ("publisher", "memory", "collectives", "loss", "tracing", "user"):
+                self.telemetry_error(component, 0)
+
+    def bind(self, name: str):
+        return self._metrics[name].labels(**self.identity)
+
+    def set_rank_info(self, info: dict[str, str]) -> None:
+        with mmap_values(self.directory):
+            self._metrics["rankscope_rank_info"].labels(**self.identity, **info).set(1)
+
+    def telemetry_error(self, component: str, amount: float = 1) -> None:
+        child = self.errors.get(component)
+        if child is None:
+            with mmap_values(self.directory):
+                child = self.errors[component] = self._errors_metric.labels(*self._ident, component)
+        child.inc(amount)
+
+    def declare(self, spec: MetricSpec, extra_labels: tuple[str, ...]):
+        """A user metric with the rank's identity labels (see Monitor.custom)."""
+        with mmap_values(self.directory):
+            return build_metric(spec, self.registry, extra_labels)
+
+    def child(self, metric, labels: dict[str, str]):
+        with mmap_values(self.directory):
+            return metric.labels(**self.identity, **labels)

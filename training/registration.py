@@ -1,0 +1,164 @@
+"""The per-run directory a rank shares with its node exporter.
+
+Layout, under the node's metrics directory::
+
+    <run-slug>/                 one per training run
+        counter_<pid>.db ...    prometheus_client multiprocess files, one set per rank process
+        ranks/rank-<N>-<pid>.json  registration of one process of rank N: identity, pid,
+                                   parent (the torchrun agent), finish time
+
+The registration lets the exporter tell a live rank from a dead or finished
+one (and a recycled pid from the original), and name ranks in series it
+derives. It is written atomically (rename), so the exporter never reads half a
+file. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+RANKS_SUBDIR = "ranks"
+
+
+def run_slug(run: str) -> str:
+    """A directory name for a run id: readable, and distinct for distinct ids."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run)[:64]
+    if safe == run and not run.startswith("."):
+        return run
+    return f"{safe.lstrip('.')}-{hashlib.sha1(run.encode()).hexdigest()[:8]}"
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of a process in clock ticks since boot (None if it is gone).
+
+    Together with the pid it identifies a process even after pid reuse.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # Field 22 counts from the command name, which may contain spaces and ')'.
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def process_state(pid: int) -> str | None:
+    """One-letter process state from /proc (R, S, D, T stopped, Z zombie...), None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+@dataclass
+class Registration:
+    run: str
+    rank: int
+    local_rank: int
+    node: str
+    world_size: int
+    local_world_size: int
+    pid: int
+    pid_start_ticks: int | None
+    agent_pid: int
+    agent_start_ticks: int | None
+    started_at: float
+    finished_at: float | None = None
+    info: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {"run": self.run, "rank": str(self.rank), "local_rank": str(self.local_rank), "node": self.node}
+
+    def process_alive(self) -> bool:
+        state = process_state(self.pid)
+        return state is not None and state not in ("Z", "X") and process_start_ticks(self.pid) == self.pid_start_ticks
+
+    def agent_alive(self) -> bool:
+        return process_start_ticks(self.agent_pid) == self.agent_start_ticks
+
+    @classmethod
+    def load(cls, path: Path) -> "Registration":
+        return cls(**json.loads(path.read_text()))
+
+    def save(self, run_dir: Path) -> Path:
+        ranks = run_dir / RANKS_SUBDIR
+        ranks.mkdir(parents=True, exist_ok=True)
+        path = ranks / reg_filename(self.rank, self.pid)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(asdict(self)))
+        os.replace(tmp, path)
+        return path
+
+
+def load_registrations(run_dir: Path) -> list[Registration]:
+    """Every readable registration of a run, one per rank process ever started
+    (a torchelastic restart adds a new one). Unreadable files are skipped."""
+    out = []
+    for path in sorted((run_dir / RANKS_SUBDIR).glob("rank-*.json")):
+        try:
+            out.append(Registration.load(path))
+        except (OSError, ValueError, TypeError):
+            continue
+    return out
+
+
+def latest_per_rank(registrations: list[Registration]) -> dict[int, Registration]:
+    """The newest process of each rank; older ones were superseded by a restart."""
+    latest: dict[int, Registration] = {}
+    for reg in registrations:
+        if reg.rank not in latest or reg.started_at > latest[reg.rank].started_at:
+            latest[reg.rank] = reg
+    return latest
+
+
+def db_file_pid(path: Path) -> int | None:
+    """The pid in a prometheus_client multiprocess file name (counter_123.db -> 123)."""
+    head, _, tail = path.stem.rpartition("_")
+    return int(tail) if head and tail.isdigit() else None
+
+
+def remove_previous_launch(run_dir: Path, agent_pid: int, agent_start_ticks: int | None) -> list[Path]:
+    """Delete files left by an earlier launch of the same run id on this node.
+
+    A launch is one torchrun agent (the ranks' parent). Files of dead
+    processes whose agent is gone belong to a finished or crashed launch:
+    counting them again would double every counter. Files of the current
+    agent's earlier processes (a torchelastic restart) are kept, so counters
+    continue across restarts without a reset; so is anything still alive.
+    """
+    removed: list[Path] = []
+    keep: set[int] = set()
+    for reg in load_registrations(run_dir):
+        same_agent = reg.agent_pid == agent_pid and reg.agent_start_ticks == agent_start_ticks
+        if same_agent or reg.agent_alive() or reg.process_alive():
+            keep.add(reg.pid)
+        else:
+            removed += _unlink(run_dir / RANKS_SUBDIR / reg_filename(reg.rank, reg.pid))
+    for db in run_dir.glob("*.db"):
+        pid = db_file_pid(db)
+        if pid is not None and pid not in keep and process_start_ticks(pid) is None:
+            removed += _unlink(db)
+    return removed
+
+
+def reg_filename(rank: int, pid: int) -> str:
+    return f"rank-{rank}-{pid}.json"
+
+
+def _unlink(path: Path) -> list[Path]:
+    try:
+        path.unlink()
+        return [path]
+    except FileNotFoundError:
+        return []
+
+
+def now() -> float:
+    return time.time()
