@@ -5,14 +5,71 @@ that are sampled (by step number, so every rank keeps the same steps) or
 anomalous. Spans are built after the fact, with the recorded timestamps, off
 the training thread. With no endpoint configured, tracing is off and costs a
 single boolean test per step.
+
+Data flow of an enabled tracer::
+
+    training thread            span worker thread             BSP worker thread
+    submit(record) ──► bounded record queue ──► build spans ──► BatchSpanProcessor
+                       (full: drop, count)     (room check:      queue ──► exporter
+                                                no room: drop,            (failures
+                                                count)                    counted)
+
+Why each piece:
+
+* The training thread only puts a small ``StepRecord`` (floats, ints, short
+  strings) on a bounded queue: no span objects, no SDK locks, no network.
+* One worker thread builds every span, so the trace id of the step being
+  emitted can be handed to the ``IdGenerator`` through a plain attribute: the
+  trace id of a step is ``sha256(run/step)[:16]``, the same on every rank, so
+  every rank's spans of one step form one trace.
+* The SDK's ``BatchSpanProcessor`` drops silently (one deduplicated warning)
+  when its queue is full. The worker therefore never offers it more spans than
+  it has room for: spans handed over minus spans the exporter has been given
+  is what the queue holds. Spans that do not fit are dropped and counted here.
+* The SDK's own shutdown paths wait 30 s or more on a dead collector
+  (../shared/reference/perf.md). The exporter gets a 1 s timeout, the
+  provider is built with ``shutdown_on_exit=False`` and ``shutdown`` runs the
+  SDK shutdown in a helper thread that is waited on for at most ``timeout_s``;
+  after that deadline the exporter wrapper fails batches at once.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Callable, Mapping, Sequence
+from urllib.parse import urlsplit
 
+from training.config import ConfigError
 from training.identity import RankIdentity
 from training.records import StepRecord
+
+log = logging.getLogger("rankscope")
+
+DEFAULT_SERVICE_NAME = "rankscope-training"
+DEFAULT_TRACE_EVERY = 100
+DEFAULT_EXPORT_TIMEOUT_S = 1.0
+DEFAULT_BSP_QUEUE = 2048
+RECORD_QUEUE_SIZE = 128          # traced steps waiting for the span worker
+PROTOCOLS = ("grpc", "http/protobuf")
+
+# Attribute keys on spans (resource keys are set in ``resource_attributes``).
+ATTR_STEP = "rankscope.step"
+ATTR_RANK = "rankscope.rank"
+ATTR_SAMPLES = "rankscope.samples"
+ATTR_TOKENS = "rankscope.tokens"
+ATTR_LOSS = "rankscope.loss"
+ATTR_ANOMALY = "rankscope.anomaly"
+ATTR_REASON = "rankscope.trace_reason"       # "sampled" or "anomaly"
+ATTR_PHASE = "rankscope.phase"
+ATTR_OP = "rankscope.collective.op"
+ATTR_BYTES = "rankscope.collective.bytes"
+ATTR_BUCKET = "rankscope.collective.bucket"
+ROOT_SPAN = "train_step"
 
 
 class Tracing:
@@ -34,6 +91,408 @@ class Tracing:
         pass
 
 
-def build_tracing(identity: RankIdentity, on_error: Callable[[], None]) -> Tracing:
-    """Tracing configured from the standard OTEL_* variables."""
-    return Tracing()
+# -- configuration -------------------------------------------------------------
+
+class TracingConfig:
+    """What ``build_tracing`` read from the environment (validated)."""
+
+    def __init__(self, endpoint: str, protocol: str, every: int, export_timeout_s: float,
+                 bsp_queue: int):
+        self.endpoint = endpoint
+        self.protocol = protocol
+        self.every = every
+        self.export_timeout_s = export_timeout_s
+        self.bsp_queue = bsp_queue
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "TracingConfig | None":
+        """None when tracing is off (no endpoint, SDK disabled, exporter none)."""
+        if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+            return None
+        exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+        if exporter == "none":
+            return None
+        if exporter not in ("", "otlp"):
+            raise ConfigError(f"OTEL_TRACES_EXPORTER={exporter!r}: rankscope exports traces with 'otlp' "
+                              "(or 'none' to turn tracing off)")
+        every = _positive_int(env, "RANKSCOPE_TRACE_EVERY", DEFAULT_TRACE_EVERY)
+        timeout = _positive_float(env, "RANKSCOPE_TRACE_EXPORT_TIMEOUT_S", DEFAULT_EXPORT_TIMEOUT_S)
+        bsp_queue = _positive_int(env, "OTEL_BSP_MAX_QUEUE_SIZE", DEFAULT_BSP_QUEUE)
+        protocol_var = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" if env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                        else "OTEL_EXPORTER_OTLP_PROTOCOL")
+        protocol = env.get(protocol_var, "").strip() or "grpc"
+        if protocol not in PROTOCOLS:
+            raise ConfigError(f"{protocol_var}={protocol!r} is not one of {', '.join(PROTOCOLS)}")
+        endpoint_var, endpoint = _endpoint(env, protocol)
+        if not endpoint:
+            return None
+        _check_url(endpoint_var, endpoint)
+        return cls(endpoint, protocol, every, timeout, bsp_queue)
+
+
+def _endpoint(env: Mapping[str, str], protocol: str) -> tuple[str, str]:
+    """The traces endpoint as the OTLP exporter spec defines it.
+
+    The signal-specific variable is used as is; the generic one is a base URL
+    to which http/protobuf appends ``/v1/traces`` (gRPC takes it as is).
+    """
+    specific = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+    if specific:
+        return "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", specific
+    generic = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+    if generic and protocol == "http/protobuf":
+        _check_url("OTEL_EXPORTER_OTLP_ENDPOINT", generic)
+        generic = generic.rstrip("/") + "/v1/traces"
+    return "OTEL_EXPORTER_OTLP_ENDPOINT", generic
+
+
+def _check_url(var: str, url: str) -> None:
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises ValueError on a bad port
+    except ValueError as e:
+        raise ConfigError(f"{var}={url!r} is not a valid URL: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{var}={url!r} is not a URL like http://host:4317 (scheme http or https, and a host)")
+    del port
+
+
+def _positive_int(env: Mapping[str, str], var: str, default: int) -> int:
+    raw = env.get(var, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{var}={raw!r} is not an integer") from None
+    if value < 1:
+        raise ConfigError(f"{var}={raw!r} must be >= 1")
+    return value
+
+
+def _positive_float(env: Mapping[str, str], var: str, default: float) -> float:
+    raw = env.get(var, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{var}={raw!r} is not a number") from None
+    if not value > 0:
+        raise ConfigError(f"{var}={raw!r} must be > 0")
+    return value
+
+
+# -- identity of a trace ------------------------------------------------------------
+
+def step_trace_id(run: str, step: int) -> int:
+    """The trace id of one step of one run: the same on every rank."""
+    trace_id = int.from_bytes(hashlib.sha256(f"{run}/{step}".encode()).digest()[:16], "big")
+    return trace_id or 1  # all-zero is the invalid trace id
+
+
+def resource_attributes(identity: RankIdentity, env: Mapping[str, str]) -> dict[str, str | int]:
+    """Resource attributes of one rank (without service.name)."""
+    attrs: dict[str, str | int] = {
+        "service.instance.id": f"{identity.run}/{identity.rank}",
+        "host.name": identity.node,
+        "rankscope.run": identity.run,
+        "rankscope.rank": identity.rank,
+        "rankscope.local_rank": identity.local_rank,
+        "rankscope.node": identity.node,
+        "rankscope.world_size": identity.world_size,
+        "rankscope.local_world_size": identity.local_world_size,
+        "process.pid": os.getpid(),
+    }
+    if identity.k8s_pod:
+        attrs["k8s.pod.name"] = identity.k8s_pod
+        for var, key in (("POD_NAMESPACE", "k8s.namespace.name"), ("NODE_NAME", "k8s.node.name"),
+                         ("POD_UID", "k8s.pod.uid")):
+            if env.get(var):
+                attrs[key] = env[var]
+    if identity.slurm_job_id:
+        attrs["slurm.job.id"] = identity.slurm_job_id
+        for var, key in (("SLURM_JOB_NAME", "slurm.job.name"), ("SLURM_PROCID", "slurm.procid"),
+                         ("SLURM_STEP_ID", "slurm.step.id"), ("SLURMD_NODENAME", "slurm.node.name")):
+            if env.get(var):
+                attrs[key] = env[var]
+    return attrs
+
+
+# -- the enabled tracer --------------------------------------------------------------
+
+def build_tracing(identity: RankIdentity, on_error: Callable[[], None],
+                  env: Mapping[str, str] | None = None) -> Tracing:
+    """Tracing configured from the standard OTEL_* variables (see docs/tracing.md).
+
+    Raises ``ConfigError`` naming the variable when a value is wrong.
+    """
+    env = os.environ if env is None else env
+    config = TracingConfig.from_env(env)
+    if config is None:
+        return Tracing()
+    return OtlpTracing(identity, config, on_error, env)
+
+
+def count_spans(record: StepRecord) -> int:
+    return 1 + len(record.phases) + len(record.collectives)
+
+
+class OtlpTracing(Tracing):
+    enabled = True
+
+    def __init__(self, identity: RankIdentity, config: TracingConfig, on_error: Callable[[], None],
+                 env: Mapping[str, str]):
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+
+        self.identity = identity
+        self.config = config
+        self._on_error = on_error
+        self._every = config.every
+        self._records: queue.Queue[StepRecord | None] = queue.Queue(RECORD_QUEUE_SIZE)
+        self._dropped = 0          # spans of records that found the record queue full (training thread)
+        self._closing = False
+        self._shut = False
+        self._ids = StepIdGenerator()
+        self.exporter = CountingExporter(_make_exporter(config))
+        self.processor = RoomCheckedProcessor(self.exporter, config.bsp_queue)
+        name = Resource.create({}).attributes.get("service.name", "")
+        if not name or str(name).startswith("unknown_service"):
+            name = DEFAULT_SERVICE_NAME   # neither OTEL_SERVICE_NAME nor OTEL_RESOURCE_ATTRIBUTES named one
+        resource = Resource.create({**resource_attributes(identity, env), "service.name": name})
+        # shutdown_on_exit=False: the SDK's atexit handler waits up to 30 s on a
+        # dead collector; ``shutdown`` below is bounded instead.
+        self.provider = TracerProvider(resource=resource, id_generator=self._ids, shutdown_on_exit=False)
+        self.provider.add_span_processor(self.processor)
+        self.tracer = self.provider.get_tracer("rankscope")
+        self._worker = threading.Thread(target=self._work, name="rankscope-spans", daemon=True)
+        self._worker.start()
+
+    # -- training thread ------------------------------------------------------------
+    def sampled(self, step: int) -> bool:
+        return step % self._every == 0
+
+    def submit(self, record: StepRecord) -> None:
+        """O(1), never blocks: a full queue drops the record and counts its spans."""
+        if self._closing:
+            self._dropped += count_spans(record)
+            return
+        try:
+            self._records.put_nowait(record)
+        except queue.Full:
+            self._dropped += count_spans(record)
+
+    def dropped(self) -> int:
+        # After shutdown, a span not yet given to the exporter never will be
+        # (and if a late export fails, it moves from "queued" to "failed").
+        unexported = max(self.processor.queued(), 0) if self._shut else 0
+        return self._dropped + self.processor.dropped + self.exporter.failed + unexported
+
+    # -- span worker ------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            record = self._records.get()
+            if record is None:
+                return
+            try:
+                self._emit(record)
+            except Exception:
+                self._on_error()
+
+    def _emit(self, record: StepRecord) -> None:
+        if not self.processor.has_room(count_spans(record)):
+            self.processor.dropped += count_spans(record)
+            return
+        from opentelemetry import trace
+
+        rank, step = self.identity.rank, record.step
+        common = {ATTR_STEP: step, ATTR_RANK: rank}
+        root_attrs: dict[str, str | int | float] = {
+            **common, ATTR_SAMPLES: record.samples, ATTR_TOKENS: record.tokens,
+            ATTR_REASON: "anomaly" if record.anomaly and not self.sampled(step) else "sampled",
+        }
+        if record.loss is not None:
+            root_attrs[ATTR_LOSS] = float(record.loss)
+        if record.anomaly:
+            root_attrs[ATTR_ANOMALY] = record.anomaly
+        self._ids.next_trace_id = step_trace_id(self.identity.run, step)
+        root = self.tracer.start_span(ROOT_SPAN, attributes=root_attrs, start_time=_ns(record.start))
+        self._ids.next_trace_id = None
+        parent = trace.set_span_in_context(root)
+        for phase in record.phases:
+            span = self.tracer.start_span(phase.name, context=parent, start_time=_ns(phase.start),
+                                          attributes={**common, ATTR_PHASE: phase.name})
+            span.end(end_time=_ns(phase.start + phase.duration))
+        for c in record.collectives:
+            span = self.tracer.start_span(c.op, context=parent, start_time=_ns(c.start),
+                                          attributes={**common, ATTR_OP: c.op, ATTR_BYTES: c.nbytes,
+                                                      ATTR_BUCKET: c.bucket})
+            span.end(end_time=_ns(c.start + c.duration))
+        root.end(end_time=_ns(record.start + record.duration))
+
+    # -- shutdown -----------------------------------------------------------------------
+    def shutdown(self, timeout_s: float = 2.0) -> None:
+        """Export what can be exported within ``timeout_s``; never waits longer.
+
+        Spans still queued when the deadline passes are counted as dropped.
+        """
+        if self._closing:
+            return
+        deadline = time.monotonic() + timeout_s
+        self._closing = True
+        try:
+            self._records.put_nowait(None)
+        except queue.Full:  # the worker is behind: let it finish what fits before the deadline
+            threading.Thread(target=self._records.put, args=(None,), daemon=True).start()
+        # Leave the last part of the budget for the SDK shutdown (export + close channel).
+        self._worker.join(timeout=max(0.0, (deadline - time.monotonic()) * 0.5))
+        self.exporter.deadline = deadline
+        closer = threading.Thread(target=self._close_sdk, name="rankscope-spans-shutdown", daemon=True)
+        closer.start()
+        closer.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._shut = True   # from now on, spans still queued count as dropped
+        while True:
+            try:
+                record = self._records.get_nowait()
+            except queue.Empty:
+                break
+            if record is not None:
+                self._dropped += count_spans(record)
+
+    def _close_sdk(self) -> None:
+        try:
+            self.provider.shutdown()
+        except Exception:
+            self._on_error()
+
+
+class StepIdGenerator:
+    """Trace ids chosen by the span worker (one per step), random span ids.
+
+    Only the span worker thread creates spans, so a plain attribute carries
+    the trace id of the root span being started. A root span started without
+    one (nobody does) gets a random id.
+    """
+
+    def __init__(self) -> None:
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+        self._random = RandomIdGenerator()
+        self.next_trace_id: int | None = None
+
+    def generate_span_id(self) -> int:
+        return self._random.generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        if self.next_trace_id is not None:
+            return self.next_trace_id
+        return self._random.generate_trace_id()
+
+    def is_trace_id_random(self) -> bool:
+        return False  # derived from (run, step), not random
+
+
+def _ns(unix_s: float) -> int:
+    return int(unix_s * 1e9)
+
+
+def _make_exporter(config: TracingConfig):
+    """The OTLP span exporter. Headers, compression and certificates come
+    from the OTEL_EXPORTER_OTLP_* variables, read by the exporter itself."""
+    if config.protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        return GrpcExporter(endpoint=config.endpoint, insecure=urlsplit(config.endpoint).scheme == "http",
+                            timeout=config.export_timeout_s)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+    return HttpExporter(endpoint=config.endpoint, timeout=config.export_timeout_s)
+
+
+class CountingExporter:
+    """Wraps the OTLP exporter: counts the spans it is given and those that
+    failed to export. After ``deadline`` (monotonic, set at shutdown) it
+    fails batches at once instead of waiting on the collector again.
+
+    Duck-typed (the SDK's batch processor only calls these three methods) so
+    that importing this module does not import the SDK.
+    """
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.given = 0
+        self.failed = 0
+        self.deadline: float | None = None
+        self._logged = False
+
+    def export(self, spans: Sequence):
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        n = len(spans)
+        self.given += n
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self.failed += n
+            return SpanExportResult.FAILURE
+        try:
+            result = self.inner.export(spans)
+        except Exception:
+            result = SpanExportResult.FAILURE
+        if result is not SpanExportResult.SUCCESS:
+            self.failed += n
+            if not self._logged:
+                self._logged = True
+                log.warning("rankscope: span export to the OTLP endpoint failed; failed spans are counted "
+                            "in rankscope_spans_dropped_total (logged once)")
+        return result
+
+    def shutdown(self, timeout_millis: float = 1000, **kwargs) -> None:
+        self.inner.shutdown(timeout_millis=timeout_millis)
+
+    def force_flush(self, timeout_millis: int = 1000) -> bool:
+        return True
+
+
+class RoomCheckedProcessor:
+    """A BatchSpanProcessor that is never offered more spans than its queue holds.
+
+    The queue holds the spans handed over (``on_end``) minus the spans its
+    worker has passed to the exporter. The worker pops a batch just before
+    exporting it, so the estimate can only be high: the SDK never drops a
+    span silently. Duck-typed SpanProcessor (composition, not inheritance).
+    """
+
+    def __init__(self, exporter: CountingExporter, max_queue_size: int):
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        self.exporter = exporter
+        self.max_queue = max_queue_size
+        self.batch = BatchSpanProcessor(exporter, max_queue_size=max_queue_size,
+                                        max_export_batch_size=min(512, max_queue_size))
+        self.handed = 0
+        self.dropped = 0
+
+    def queued(self) -> int:
+        return self.handed - self.exporter.given
+
+    def has_room(self, spans: int) -> bool:
+        return self.queued() + spans <= self.max_queue
+
+    def on_start(self, span, parent_context=None) -> None:
+        pass
+
+    def _on_ending(self, span) -> None:
+        pass
+
+    def on_end(self, span) -> None:
+        if not (span.context and span.context.trace_flags.sampled):
+            return  # OTEL_TRACES_SAMPLER said no: not a drop
+        self.handed += 1
+        self.batch.on_end(span)
+
+    def shutdown(self) -> None:
+        self.batch.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.batch.force_flush(timeout_millis)
+
