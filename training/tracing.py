@@ -97,7 +97,8 @@ class TracingConfig:
     """What ``build_tracing`` read from the environment (validated)."""
 
     def __init__(self, endpoint: str, protocol: str, every: int, export_timeout_s: float,
-                 bsp_queue: int):
+                 bsp_queue: int, headers: dict[str, str] | None = None):
+        self.headers = headers
         self.endpoint = endpoint
         self.protocol = protocol
         self.every = every
@@ -127,7 +128,7 @@ class TracingConfig:
         if not endpoint:
             return None
         _check_url(endpoint_var, endpoint)
-        return cls(endpoint, protocol, every, timeout, bsp_queue)
+        return cls(endpoint, protocol, every, timeout, bsp_queue, _headers(env))
 
 
 def _endpoint(env: Mapping[str, str], protocol: str) -> tuple[str, str]:
@@ -144,6 +145,14 @@ def _endpoint(env: Mapping[str, str], protocol: str) -> tuple[str, str]:
         _check_url("OTEL_EXPORTER_OTLP_ENDPOINT", generic)
         generic = generic.rstrip("/") + "/v1/traces"
     return "OTEL_EXPORTER_OTLP_ENDPOINT", generic
+
+
+def _headers(env: Mapping[str, str]) -> dict[str, str] | None:
+    """OTEL_EXPORTER_OTLP_[TRACES_]HEADERS ("k=v,k2=v2", URL-encoded), or None."""
+    from opentelemetry.util.re import parse_env_headers
+
+    raw = env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or env.get("OTEL_EXPORTER_OTLP_HEADERS")
+    return parse_env_headers(raw, liberal=True) if raw else None
 
 
 def _check_url(var: str, url: str) -> None:
@@ -257,7 +266,9 @@ class OtlpTracing(Tracing):
         self._ids = StepIdGenerator()
         self.exporter = CountingExporter(_make_exporter(config))
         self.processor = RoomCheckedProcessor(self.exporter, config.bsp_queue)
-        name = Resource.create({}).attributes.get("service.name", "")
+        # Resource.create reads OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME
+        # from the process environment; the identity attributes win over them.
+        name = env.get("OTEL_SERVICE_NAME") or Resource.create({}).attributes.get("service.name", "")
         if not name or str(name).startswith("unknown_service"):
             name = DEFAULT_SERVICE_NAME   # neither OTEL_SERVICE_NAME nor OTEL_RESOURCE_ATTRIBUTES named one
         resource = Resource.create({**resource_attributes(identity, env), "service.name": name})
@@ -284,10 +295,11 @@ class OtlpTracing(Tracing):
             self._dropped += count_spans(record)
 
     def dropped(self) -> int:
-        # After shutdown, a span not yet given to the exporter never will be
-        # (and if a late export fails, it moves from "queued" to "failed").
-        unexported = max(self.processor.queued(), 0) if self._shut else 0
-        return self._dropped + self.processor.dropped + self.exporter.failed + unexported
+        # After shutdown, a span still queued or in an unfinished export will
+        # not be delivered (if that export fails later, its spans move from
+        # "unfinished" to "failed": no double count).
+        unfinished = self.processor.queued() + self.exporter.in_flight() if self._shut else 0
+        return self._dropped + self.processor.dropped + self.exporter.failed + max(unfinished, 0)
 
     # -- span worker ------------------------------------------------------------------
     def _work(self) -> None:
@@ -398,16 +410,16 @@ def _ns(unix_s: float) -> int:
 
 
 def _make_exporter(config: TracingConfig):
-    """The OTLP span exporter. Headers, compression and certificates come
-    from the OTEL_EXPORTER_OTLP_* variables, read by the exporter itself."""
+    """The OTLP span exporter. Compression and certificates come from the
+    OTEL_EXPORTER_OTLP_* variables, read by the exporter itself."""
     if config.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 
         return GrpcExporter(endpoint=config.endpoint, insecure=urlsplit(config.endpoint).scheme == "http",
-                            timeout=config.export_timeout_s)
+                            timeout=config.export_timeout_s, headers=config.headers)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 
-    return HttpExporter(endpoint=config.endpoint, timeout=config.export_timeout_s)
+    return HttpExporter(endpoint=config.endpoint, timeout=config.export_timeout_s, headers=config.headers)
 
 
 class CountingExporter:
@@ -422,6 +434,7 @@ class CountingExporter:
     def __init__(self, inner):
         self.inner = inner
         self.given = 0
+        self.succeeded = 0
         self.failed = 0
         self.deadline: float | None = None
         self._logged = False
@@ -438,13 +451,18 @@ class CountingExporter:
             result = self.inner.export(spans)
         except Exception:
             result = SpanExportResult.FAILURE
-        if result is not SpanExportResult.SUCCESS:
+        if result is SpanExportResult.SUCCESS:
+            self.succeeded += n
+        else:
             self.failed += n
             if not self._logged:
                 self._logged = True
                 log.warning("rankscope: span export to the OTLP endpoint failed; failed spans are counted "
                             "in rankscope_spans_dropped_total (logged once)")
         return result
+
+    def in_flight(self) -> int:
+        return self.given - self.succeeded - self.failed
 
     def shutdown(self, timeout_millis: float = 1000, **kwargs) -> None:
         self.inner.shutdown(timeout_millis=timeout_millis)

@@ -1,0 +1,317 @@
+"""training.tracing on its own: configuration, trace ids, sampling, span
+shape against a real OTLP/gRPC receiver, and behaviour against dead
+collectors (closed port, black hole). No training job here: see
+test_tracing.py for the 2-rank torchrun tests."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+from tests.helpers.otlp_receiver import BlackHole, OtlpReceiver, closed_port_endpoint
+from training.collectives import CollectiveRecord
+from training.config import ConfigError
+from training.identity import RankIdentity
+from training.records import PhaseRecord, StepRecord
+from training.tracing import (ATTR_ANOMALY, ATTR_BUCKET, ATTR_BYTES, ATTR_OP, ATTR_PHASE, ATTR_RANK,
+                              ATTR_REASON, ATTR_STEP, ROOT_SPAN, Tracing, TracingConfig, build_tracing,
+                              count_spans, step_trace_id)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def identity(rank: int = 0, run: str = "unit-run", **kw) -> RankIdentity:
+    return RankIdentity(run=run, rank=rank, local_rank=rank, world_size=2, local_world_size=2, node="node-a", **kw)
+
+
+def record(step: int, anomaly: str = "", start: float | None = None) -> StepRecord:
+    t = time.time() - 0.1 if start is None else start
+    return StepRecord(
+        step=step, start=t, duration=0.1,
+        phases=[PhaseRecord("data", t, 0.01), PhaseRecord("forward", t + 0.01, 0.03),
+                PhaseRecord("backward", t + 0.04, 0.04), PhaseRecord("optimizer", t + 0.08, 0.02)],
+        collectives=[CollectiveRecord("all_reduce", 4_198_400, t + 0.05, 0.01, 0),
+                     CollectiveRecord("all_reduce", 8_396_800, t + 0.06, 0.02, 1)],
+        samples=64, tokens=0, loss=0.5, anomaly=anomaly)
+
+
+def tracing_for(endpoint: str, rank: int = 0, errors: list | None = None, **env: str) -> Tracing:
+    errs = errors if errors is not None else []
+    return build_tracing(identity(rank), lambda: errs.append(1),
+                         env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100", **env})
+
+
+# -- configuration -------------------------------------------------------------------
+
+def test_no_endpoint_means_tracing_off():
+    tracing = build_tracing(identity(), lambda: None, env={})
+    assert tracing.enabled is False
+    assert type(tracing) is Tracing
+
+
+@pytest.mark.parametrize("env", [
+    {"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"},
+    {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"},
+])
+def test_disabled_by_standard_variables(env):
+    assert build_tracing(identity(), lambda: None, env=env).enabled is False
+
+
+@pytest.mark.parametrize("env, variable", [
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "not a url"}, "OTEL_EXPORTER_OTLP_ENDPOINT"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "127.0.0.1:4317"}, "OTEL_EXPORTER_OTLP_ENDPOINT"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:99999"}, "OTEL_EXPORTER_OTLP_ENDPOINT"),
+    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "ftp://collector"}, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "RANKSCOPE_TRACE_EVERY": "0"}, "RANKSCOPE_TRACE_EVERY"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "RANKSCOPE_TRACE_EVERY": "ten"}, "RANKSCOPE_TRACE_EVERY"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
+     "OTEL_EXPORTER_OTLP_PROTOCOL"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "RANKSCOPE_TRACE_EXPORT_TIMEOUT_S": "-1"},
+     "RANKSCOPE_TRACE_EXPORT_TIMEOUT_S"),
+])
+def test_bad_configuration_is_a_config_error_naming_the_variable(env, variable):
+    with pytest.raises(ConfigError, match=variable):
+        build_tracing(identity(), lambda: None, env=env)
+
+
+def test_endpoint_resolution_follows_the_otlp_spec():
+    grpc = TracingConfig.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"})
+    assert (grpc.protocol, grpc.endpoint) == ("grpc", "http://c:4317")
+    http = TracingConfig.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/",
+                                   "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+    assert (http.protocol, http.endpoint) == ("http/protobuf", "http://c:4318/v1/traces")
+    specific = TracingConfig.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318",
+                                       "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:9/custom",
+                                       "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                                       "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
+    assert (specific.protocol, specific.endpoint) == ("http/protobuf", "http://t:9/custom")
+    assert specific.every == 100 and specific.export_timeout_s == 1.0
+
+
+# -- trace ids and sampling -------------------------------------------------------------
+
+def test_trace_id_is_derived_from_run_and_step():
+    expected = int.from_bytes(hashlib.sha256(b"run-a/42").digest()[:16], "big")
+    assert step_trace_id("run-a", 42) == expected
+    assert step_trace_id("run-a", 42) == step_trace_id("run-a", 42)
+    ids = {step_trace_id("run-a", s) for s in range(1000)} | {step_trace_id("run-b", s) for s in range(1000)}
+    assert len(ids) == 2000
+    assert all(0 < i < 2**128 for i in ids)
+
+
+def test_sampling_every_nth_step_from_step_zero():
+    with BlackHole() as hole:
+        tracing = tracing_for(hole.endpoint, RANKSCOPE_TRACE_EVERY="10")
+        try:
+            assert [s for s in range(35) if tracing.sampled(s)] == [0, 10, 20, 30]
+        finally:
+            tracing.shutdown(0.5)
+        default = tracing_for(hole.endpoint)
+        try:
+            assert [s for s in range(250) if default.sampled(s)] == [0, 100, 200]
+        finally:
+            default.shutdown(0.5)
+
+
+# -- spans against a real receiver ---------------------------------------------------------
+
+def test_two_ranks_share_one_trace_per_step_with_the_right_shape():
+    with OtlpReceiver() as receiver:
+        errors: list = []
+        ranks = [tracing_for(receiver.endpoint, rank=r, errors=errors, OTEL_SERVICE_NAME="svc-under-test")
+                 for r in (0, 1)]
+        records = {0: record(0), 7: record(7, anomaly="loss_spike")}
+        for tracing in ranks:
+            for rec in records.values():
+                tracing.submit(rec)
+        per_step = 2 * count_spans(records[0])
+        spans = receiver.wait_for_spans(lambda s: len(s) >= 2 * per_step, timeout=10)
+        for tracing in ranks:
+            tracing.shutdown(1.0)
+            assert tracing.dropped() == 0
+        assert errors == []
+
+    assert len(spans) == 2 * per_step
+    for step, rec in records.items():
+        of_step = [s for s in spans if s.attributes[ATTR_STEP] == step]
+        assert {s.trace_id for s in of_step} == {f"{step_trace_id('unit-run', step):032x}"}
+        for rank in (0, 1):
+            mine = [s for s in of_step if s.attributes[ATTR_RANK] == rank]
+            roots = [s for s in mine if s.parent_span_id == ""]
+            assert len(roots) == 1 and roots[0].name == ROOT_SPAN
+            root = roots[0]
+            children = [s for s in mine if s is not root]
+            assert all(c.parent_span_id == root.span_id for c in children)
+            assert root.start_ns == int(rec.start * 1e9)
+            assert root.end_ns == int((rec.start + rec.duration) * 1e9)
+            phases = [c for c in children if ATTR_PHASE in c.attributes]
+            assert [p.name for p in sorted(phases, key=lambda p: p.start_ns)] == \
+                ["data", "forward", "backward", "optimizer"]
+            colls = sorted((c for c in children if ATTR_OP in c.attributes), key=lambda c: c.start_ns)
+            assert [(c.name, c.attributes[ATTR_BYTES], c.attributes[ATTR_BUCKET]) for c in colls] == \
+                [("all_reduce", 4_198_400, 0), ("all_reduce", 8_396_800, 1)]
+            assert all(root.start_ns <= c.start_ns <= c.end_ns <= root.end_ns for c in children)
+            res = root.resource
+            assert res["service.name"] == "svc-under-test"
+            assert res["service.instance.id"] == f"unit-run/{rank}"
+            assert (res["rankscope.run"], res["rankscope.rank"], res["rankscope.local_rank"],
+                    res["rankscope.node"], res["rankscope.world_size"]) == ("unit-run", rank, rank, "node-a", 2)
+        root = next(s for s in of_step if s.parent_span_id == "")
+        if step == 7:
+            assert root.attributes[ATTR_ANOMALY] == "loss_spike"
+            assert root.attributes[ATTR_REASON] == "anomaly"
+        else:
+            assert ATTR_ANOMALY not in root.attributes and root.attributes[ATTR_REASON] == "sampled"
+
+
+def test_default_service_name_and_scheduler_attributes():
+    ident = identity(slurm_job_id="4242", k8s_pod="trainer-0")
+    with OtlpReceiver() as receiver:
+        tracing = build_tracing(ident, lambda: None, env={
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100",
+            "POD_NAMESPACE": "ml", "SLURM_JOB_NAME": "pretrain"})
+        tracing.submit(record(0))
+        spans = receiver.wait_for_spans(lambda s: len(s) >= count_spans(record(0)), timeout=10)
+        tracing.shutdown(1.0)
+    res = spans[0].resource
+    assert res["service.name"] == "rankscope-training"
+    assert (res["k8s.pod.name"], res["k8s.namespace.name"]) == ("trainer-0", "ml")
+    assert (res["slurm.job.id"], res["slurm.job.name"]) == ("4242", "pretrain")
+
+
+class _OtlpHttpHandler(http.server.BaseHTTPRequestHandler):
+    received: list = []
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        request = trace_service_pb2.ExportTraceServiceRequest()
+        request.ParseFromString(body)
+        self.received.append((self.path, self.headers.get("x-tenant"), request))
+        answer = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_http_protobuf_protocol_and_headers():
+    """A real OTLP/HTTP endpoint (protobuf body): path /v1/traces appended, headers sent."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OtlpHttpHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        tracing = tracing_for(f"http://127.0.0.1:{server.server_port}",
+                              OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+                              OTEL_EXPORTER_OTLP_HEADERS="x-tenant=team-a")
+        tracing.submit(record(0))
+        tracing.shutdown(2.0)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert _OtlpHttpHandler.received, "no OTLP/HTTP request arrived"
+    path, tenant, request = _OtlpHttpHandler.received[0]
+    assert (path, tenant) == ("/v1/traces", "team-a")
+    names = {s.name for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans}
+    assert ROOT_SPAN in names and tracing.dropped() == 0
+
+
+# -- dead collectors: never block, count what is lost ---------------------------------------
+
+@pytest.mark.parametrize("dead", ["closed_port", "black_hole"])
+def test_dead_collector_counts_every_span_and_never_blocks(dead):
+    hole = BlackHole().start() if dead == "black_hole" else None
+    endpoint = hole.endpoint if hole else closed_port_endpoint()
+    try:
+        tracing = tracing_for(endpoint)
+        submitted = 0
+        worst = 0.0
+        for step in range(400):
+            rec = record(step)
+            t0 = time.perf_counter()
+            tracing.submit(rec)
+            worst = max(worst, time.perf_counter() - t0)
+            submitted += count_spans(rec)
+        # submit() only enqueues: even the slowest call is far below a step.
+        assert worst < 0.05, f"slowest submit took {worst * 1e3:.1f} ms"
+        # failures are counted while the job runs, not only at exit
+        deadline = time.monotonic() + 10
+        while tracing.dropped() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tracing.dropped() > 0
+        t0 = time.monotonic()
+        tracing.shutdown(1.0)
+        took = time.monotonic() - t0
+        assert took < 1.2, f"shutdown(1.0) took {took:.2f}s"
+        # nothing arrived anywhere, so every span is accounted as dropped or failed
+        assert tracing.dropped() == submitted
+        if hole:
+            assert hole.connections >= 1  # the exporter did connect, and got no answer
+    finally:
+        if hole:
+            hole.stop()
+
+
+def test_every_span_is_delivered_or_counted():
+    with OtlpReceiver() as receiver:
+        tracing = tracing_for(receiver.endpoint, OTEL_BSP_MAX_QUEUE_SIZE="64")
+        submitted = 0
+        for step in range(300):  # far more than the 64-span queue: some must be dropped
+            rec = record(step)
+            tracing.submit(rec)
+            submitted += count_spans(rec)
+        tracing.shutdown(2.0)
+        received = len(receiver.spans())
+    assert tracing.dropped() > 0
+    assert received + tracing.dropped() == submitted
+
+
+def test_submit_after_shutdown_is_counted_not_queued():
+    with BlackHole() as hole:
+        tracing = tracing_for(hole.endpoint)
+        tracing.shutdown(0.5)
+        before = tracing.dropped()
+        tracing.submit(record(1))
+        assert tracing.dropped() == before + count_spans(record(1))
+
+
+EXIT_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from training.identity import RankIdentity
+    from training.records import StepRecord, PhaseRecord
+    from training.tracing import build_tracing
+    ident = RankIdentity(run="exit", rank=0, local_rank=0, world_size=1, local_world_size=1, node="n")
+    tracing = build_tracing(ident, lambda: None, env={"OTEL_EXPORTER_OTLP_ENDPOINT": sys.argv[1]})
+    t = time.time()
+    for step in range(2000):
+        tracing.submit(StepRecord(step=step, start=t, duration=0.01, phases=[PhaseRecord("forward", t, 0.01)]))
+    time.sleep(1.5)  # let the exporter start a (hanging) export
+    if sys.argv[2] == "shutdown":
+        tracing.shutdown(1.0)
+    print("last-line", time.time(), flush=True)
+""")
+
+
+@pytest.mark.parametrize("how", ["shutdown", "no_shutdown"])
+def test_interpreter_exit_is_not_delayed_by_a_black_hole(how):
+    """The SDK's own atexit handler would wait 30 s (perf.md); ours must not."""
+    with BlackHole() as hole:
+        proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, hole.endpoint, how], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        exited = time.time()
+    assert proc.returncode == 0, proc.stderr
+    last = float(proc.stdout.split("last-line")[1])
+    assert exited - last < 2.5, f"exit took {exited - last:.1f}s after the last line"
