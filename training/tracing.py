@@ -54,6 +54,10 @@ DEFAULT_SERVICE_NAME = "rankscope-training"
 DEFAULT_TRACE_EVERY = 100
 DEFAULT_EXPORT_TIMEOUT_S = 1.0
 DEFAULT_BSP_QUEUE = 2048
+# The SDK default is 5 s. Traced steps are rare, so exporting every second
+# costs little, and spans spend less time in the queue, where they survive
+# young collections and lengthen full ones (perf.md, section 2).
+DEFAULT_BSP_SCHEDULE_DELAY_MS = 1000
 RECORD_QUEUE_SIZE = 128          # traced steps waiting for the span worker
 PROTOCOLS = ("grpc", "http/protobuf")
 
@@ -97,8 +101,11 @@ class TracingConfig:
     """What ``build_tracing`` read from the environment (validated)."""
 
     def __init__(self, endpoint: str, protocol: str, every: int, export_timeout_s: float,
-                 bsp_queue: int, headers: dict[str, str] | None = None):
+                 bsp_queue: int, headers: dict[str, str] | None = None,
+                 schedule_delay_ms: int = DEFAULT_BSP_SCHEDULE_DELAY_MS, batch_size: int = 512):
         self.headers = headers
+        self.batch_size = batch_size
+        self.schedule_delay_ms = schedule_delay_ms
         self.endpoint = endpoint
         self.protocol = protocol
         self.every = every
@@ -119,6 +126,8 @@ class TracingConfig:
         every = _positive_int(env, "RANKSCOPE_TRACE_EVERY", DEFAULT_TRACE_EVERY)
         timeout = _positive_float(env, "RANKSCOPE_TRACE_EXPORT_TIMEOUT_S", DEFAULT_EXPORT_TIMEOUT_S)
         bsp_queue = _positive_int(env, "OTEL_BSP_MAX_QUEUE_SIZE", DEFAULT_BSP_QUEUE)
+        delay_ms = _positive_int(env, "OTEL_BSP_SCHEDULE_DELAY", DEFAULT_BSP_SCHEDULE_DELAY_MS)
+        batch_size = _positive_int(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)
         protocol_var = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" if env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                         else "OTEL_EXPORTER_OTLP_PROTOCOL")
         protocol = env.get(protocol_var, "").strip() or "grpc"
@@ -128,7 +137,7 @@ class TracingConfig:
         if not endpoint:
             return None
         _check_url(endpoint_var, endpoint)
-        return cls(endpoint, protocol, every, timeout, bsp_queue, _headers(env))
+        return cls(endpoint, protocol, every, timeout, bsp_queue, _headers(env), delay_ms, batch_size)
 
 
 def _endpoint(env: Mapping[str, str], protocol: str) -> tuple[str, str]:
@@ -265,7 +274,8 @@ class OtlpTracing(Tracing):
         self._shut = False
         self._ids = StepIdGenerator()
         self.exporter = CountingExporter(_make_exporter(config))
-        self.processor = RoomCheckedProcessor(self.exporter, config.bsp_queue)
+        self.processor = RoomCheckedProcessor(self.exporter, config.bsp_queue, config.schedule_delay_ms,
+                                              config.batch_size)
         # Resource.create reads OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME
         # from the process environment; the identity attributes win over them.
         name = env.get("OTEL_SERVICE_NAME") or Resource.create({}).attributes.get("service.name", "")
@@ -480,13 +490,15 @@ class RoomCheckedProcessor:
     span silently. Duck-typed SpanProcessor (composition, not inheritance).
     """
 
-    def __init__(self, exporter: CountingExporter, max_queue_size: int):
+    def __init__(self, exporter: CountingExporter, max_queue_size: int, schedule_delay_ms: int,
+                 batch_size: int):
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         self.exporter = exporter
         self.max_queue = max_queue_size
         self.batch = BatchSpanProcessor(exporter, max_queue_size=max_queue_size,
-                                        max_export_batch_size=min(512, max_queue_size))
+                                        schedule_delay_millis=schedule_delay_ms,
+                                        max_export_batch_size=min(batch_size, max_queue_size))
         self.handed = 0
         self.dropped = 0
 
