@@ -349,12 +349,22 @@ def ranks_and_stragglers() -> dash.Dashboard:
     d = d.with_panel(heatmap_panel(
         "Step time per rank (heatmap)", "One row per rank; colour is the mean step time. A straggler is a hot row.",
         "s", [query(f"max by (rank) ({mean_step_seconds()})", "{{rank}}")]))
+    # Synchronous training evens out step time across ranks; compute time per
+    # step (forward + backward + optimizer) is what tells the straggler apart,
+    # and is what the RankscopeStraggler alert compares with the run median.
     d = d.with_panel(ts(
         "Slowest ranks against the run median",
-        "Mean step time of the 5 slowest selected ranks divided by the median rank of the whole run "
-        "(100% = median).", "percentunit",
-        [query(f"topk(5, {mean_step_seconds()} / scalar(quantile(0.5, {mean_step_seconds(RUN_SEL)})))",
+        "Compute time per step (forward + backward + optimizer) of the 5 slowest selected ranks, divided by "
+        "the median rank of the whole run (100% = median; the straggler alert fires above 130%). 2m window.",
+        "percentunit",
+        [query(f"topk(5, rank:rankscope_phase_seconds:compute_per_step{{{SEL}}}"
+               f" / on (run) group_left () run:rankscope_phase_seconds:compute_per_step_median{{{RUN_SEL}}})",
                "rank {{rank}} ({{node}})")]))
+    d = d.with_panel(ts(
+        "Compute time per step per rank",
+        "Forward + backward + optimizer seconds per step, per rank, and the run median. 2m window.", "s",
+        [query(f"rank:rankscope_phase_seconds:compute_per_step{{{SEL}}}", "rank {{rank}} ({{node}})"),
+         query(f"run:rankscope_phase_seconds:compute_per_step_median{{{RUN_SEL}}}", "run median")]))
     d = d.with_panel(heatmap_panel(
         "Step time distribution", "Histogram of step durations over all selected ranks.", "s",
         [query(f"sum by (le) (increase(rankscope_step_duration_seconds_bucket{{{SEL}}}[{RATE}]))",
@@ -363,10 +373,11 @@ def ranks_and_stragglers() -> dash.Dashboard:
     d = d.with_row(dash.Row("Where the step time goes"))
     d = d.with_panel(ts(
         "Phase breakdown per rank",
-        "Share of wall time per phase (data, forward, backward, optimizer, comm_wait, other), per rank.",
+        "Share of wall time per phase (data, forward, backward, optimizer, comm_wait, other), per rank; "
+        "the input-bound and communication-bound alerts read the same series. 2m window.",
         "percentunit",
-        [query(f"{phase_rate('node, rank, phase')} / ignoring (phase) group_left {phase_rate('node, rank')}",
-               "rank {{rank}} {{phase}}")], w=24, h=9, stack=True))
+        [query(f"rank_phase:rankscope_phase_seconds:fraction{{{SEL}}}", "rank {{rank}} {{phase}}")],
+        w=24, h=9, stack=True))
 
     d = d.with_row(dash.Row("Liveness and hangs"))
     d = d.with_panel(state_timeline(
@@ -412,10 +423,13 @@ def communication() -> dash.Dashboard:
                "{{op}} rank {{rank}}")]))
     d = d.with_panel(ts(
         "Exposed communication fraction",
-        "Share of wall time a rank waits on communication not hidden behind compute (phase comm_wait). "
+        "Share of wall time a rank waits on communication not hidden behind compute (phase comm_wait), per rank "
+        "over the rate window, and per rank over 2m as the communication-bound alert sees it. "
         "A straggler's peers show it rising.", "percentunit",
         [query(phase_rate("node, rank", 'phase="comm_wait"') + " / " + phase_rate("node, rank"),
-               "rank {{rank}}")]))
+               "rank {{rank}}"),
+         query(f'rank_phase:rankscope_phase_seconds:fraction{{{SEL}, phase="comm_wait"}}',
+               "rank {{rank}} (2m, alert basis)")]))
     d = d.with_panel(ts(
         "Collectives per second", "Completed collectives per second, per rank and op.", "ops",
         [query(f"sum by (rank, op) (rate(rankscope_collective_duration_seconds_count{{{SEL}}}[{RATE}]))",
@@ -446,10 +460,8 @@ def memory_and_devices() -> dash.Dashboard:
     d = d.with_panel(ts(
         "Memory headroom", "Free share of the device (1 - reserved/total) and, for CPU runs, of the host "
         "memory limit (1 - RSS/limit). Near 0 means an OOM is close.", "percentunit",
-        [query(f"1 - rankscope_device_memory_reserved_bytes{{{SEL}}}"
-               f" / (rankscope_device_memory_total_bytes{{{SEL}}} > 0)", "device rank {{rank}}"),
-         query(f"1 - rankscope_host_memory_rss_bytes{{{SEL}}}"
-               f" / (rankscope_host_memory_limit_bytes{{{SEL}}} > 0)", "host rank {{rank}}")]))
+        [query(f"rank:rankscope_device_memory:headroom_ratio{{{SEL}}}", "device rank {{rank}}"),
+         query(f"rank:rankscope_host_memory:headroom_ratio{{{SEL}}}", "host rank {{rank}}")]))
     d = d.with_panel(ts(
         "Host memory per rank", "Resident set size of each rank process against the cgroup or host limit.",
         "bytes",
