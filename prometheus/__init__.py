@@ -1,0 +1,1 @@
+"""rankscope's Prometheus side: rule source, generator, example configs (not a runtime package)."""
