@@ -128,7 +128,7 @@ ALERTS: tuple[Alert, ...] = (
           "<= <<lr_flat_tolerance_ratio>> * max_over_time(rankscope_learning_rate{SEL}[<<loss_trend_window>>])",
           "warning",
           "Loss rising in run {{ $labels.run }} with a flat learning rate",
-          "In " + WHO + ", the loss rose by {{ $value | humanize }} over the last <<loss_trend_window>> "
+          "In " + WHO + ", the loss rose by {{ printf `%.3g` $value }} over the last <<loss_trend_window>> "
           "(linear fit) while the learning rate stayed flat."),
     Alert("RankscopeGradNormExplosion",
           new_events("rankscope_grad_norm_spikes_total{SEL}", "<<grad_explosion_window>>",
@@ -251,7 +251,7 @@ ALERTS: tuple[Alert, ...] = (
           "unless on (run) (max by (run) (rankscope_rank_state{SEL,state=\"finished\"}) == 1)",
           "warning",
           "Throughput of run {{ $labels.run }} dropped",
-          "Run {{ $labels.run }} makes {{ $value | humanize }} steps/s, below <<throughput_drop_ratio>>x its level "
+          "Run {{ $labels.run }} makes {{ printf `%.3g` $value }} steps/s, below <<throughput_drop_ratio>>x its level "
           "of the previous <<throughput_baseline_window>>; slowest rank: "
           "{{ with printf `topk(1, rank:rankscope_step_duration_seconds:mean{run=\"%s\"})` $labels.run | query }}"
           "{{ range . }}rank {{ .Labels.rank }} on node {{ .Labels.node }} at {{ .Value | humanizeDuration }} per step"
