@@ -231,7 +231,7 @@ def test_dockerfile_matches_the_readme_install(dockerfile_commands):
     readme = (REPO / "README.md").read_text()
     pins = set(re.findall(r"pip install[^\n]*\btorch==([0-9][0-9.]*)", readme))
     assert pins == {_args(dockerfile_commands)["TORCH_VERSION"]}, pins
-    assert re.search(r"pip install (-e )?\.", readme), "the README installs the project with pip install ."
+    assert re.search(r"pip install (-e )?[\"']?\.", readme), "the README installs the project with pip install ."
 
 
 def test_dockerfile_copies_only_what_exists_and_downloads_nothing_at_run_time(dockerfile_commands):
