@@ -263,11 +263,13 @@ class OtlpTracing(Tracing):
                  env: Mapping[str, str]):
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.trace import set_span_in_context
 
         self.identity = identity
         self.config = config
         self._on_error = on_error
         self._every = config.every
+        self._set_span_in_context = set_span_in_context
         self._records: queue.Queue[StepRecord | None] = queue.Queue(RECORD_QUEUE_SIZE)
         self._dropped = 0          # spans of records that found the record queue full (training thread)
         self._closing = False
@@ -326,8 +328,6 @@ class OtlpTracing(Tracing):
         if not self.processor.has_room(count_spans(record)):
             self.processor.dropped += count_spans(record)
             return
-        from opentelemetry import trace
-
         rank, step = self.identity.rank, record.step
         common = {ATTR_STEP: step, ATTR_RANK: rank}
         root_attrs: dict[str, str | int | float] = {
@@ -341,7 +341,7 @@ class OtlpTracing(Tracing):
         self._ids.next_trace_id = step_trace_id(self.identity.run, step)
         root = self.tracer.start_span(ROOT_SPAN, attributes=root_attrs, start_time=_ns(record.start))
         self._ids.next_trace_id = None
-        parent = trace.set_span_in_context(root)
+        parent = self._set_span_in_context(root)
         for phase in record.phases:
             span = self.tracer.start_span(phase.name, context=parent, start_time=_ns(phase.start),
                                           attributes={**common, ATTR_PHASE: phase.name})
