@@ -140,3 +140,55 @@ def test_rules_use_only_catalog_metrics():
     unknown = {n: r for n, r in used.items() if n not in allowed}
     assert unknown == {}, f"metric names outside the catalogs: {unknown}"
     assert "rankscope_hang_suspect" in used and "rankscope_step_duration_seconds_sum" in used
+
+
+def test_inhibitions_in_a_real_alertmanager():
+    """The shipped alertmanager.yml, run by Alertmanager 0.25: a dead rank silences its run's
+    hang/stall/straggler alerts (not another run's), a critical silences its warning twin,
+    and critical/warning reach the pager/chat webhooks."""
+    import json
+    import urllib.request
+
+    from tests.helpers.promstack import AlertmanagerServer, WebhookReceiver, poll
+
+    def alert(name: str, severity: str, run: str, rank: str) -> dict:
+        return {"labels": {"alertname": name, "severity": severity, "run": run, "rank": rank, "node": "n0"},
+                "annotations": {"summary": name}}
+
+    with WebhookReceiver() as hook:
+        config = yaml.safe_load((PROM / "alertmanager.yml").read_text())
+        config["route"].update(group_wait="0s", group_interval="1s")
+        for route in config["route"]["routes"]:
+            route["group_wait"] = "0s"
+        for receiver in config["receivers"]:
+            for webhook in receiver.get("webhook_configs", []):
+                webhook["url"] = hook.url("/" + webhook["url"].rsplit("/", 1)[1])
+        with AlertmanagerServer(config_text=yaml.safe_dump(config)) as am:
+            posted = [
+                alert("RankscopeRankDown", "critical", "r1", "1"),
+                alert("RankscopeHangSuspect", "critical", "r1", "0"),
+                alert("RankscopeRunStalled", "critical", "r1", "0"),
+                alert("RankscopeStraggler", "warning", "r1", "0"),
+                alert("RankscopeHangSuspect", "critical", "r2", "3"),       # another run: not inhibited
+                alert("RankscopeInputBound", "warning", "r2", "3"),         # a warning that reaches chat
+            ]
+            req = urllib.request.Request(am.url + "/api/v2/alerts", data=json.dumps(posted).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+            urllib.request.urlopen(req, timeout=5).close()
+
+            def states() -> dict:
+                got = {(a["labels"]["alertname"], a["labels"]["run"]): a["status"]["state"] for a in am.alerts()}
+                return got if len(got) == len(posted) else {}
+
+            # Inhibition is evaluated lazily; poll until every alert has its final state.
+            expected = {("RankscopeRankDown", "r1"): "active", ("RankscopeHangSuspect", "r1"): "suppressed",
+                        ("RankscopeRunStalled", "r1"): "suppressed", ("RankscopeStraggler", "r1"): "suppressed",
+                        ("RankscopeHangSuspect", "r2"): "active", ("RankscopeInputBound", "r2"): "active"}
+            poll(lambda: states() == expected, timeout=15, what=f"alert states {expected}")
+            page = hook.wait_for(lambda d: d.path == "/page" and any(
+                a["labels"]["alertname"] == "RankscopeRankDown" for a in d.alerts), timeout=15)
+            assert {a["labels"]["alertname"] for a in page.alerts} == {"RankscopeRankDown"}
+            hook.wait_for(lambda d: d.path == "/chat" and any(
+                a["labels"]["alertname"] == "RankscopeInputBound" for a in d.alerts), timeout=15)
+            delivered = {(a["labels"]["alertname"], a["labels"]["run"]) for d in hook.snapshot() for a in d.alerts}
+            assert ("RankscopeStraggler", "r1") not in delivered and ("RankscopeRunStalled", "r1") not in delivered
