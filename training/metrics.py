@@ -24,7 +24,7 @@ from training.catalog import MetricSpec
 from training.config import ConfigError
 
 _value_classes: dict[Path, type] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: children may be created while creating others
 
 
 @contextlib.contextmanager

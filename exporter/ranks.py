@@ -1,0 +1,183 @@
+"""The ranks of this node: their own metrics, and their state as seen from outside.
+
+Each scrape merges the multiprocess files of every run in the directory
+(prometheus_client's own merge), then derives what a rank cannot say about
+itself: whether its process is alive, whether its interpreter still runs
+(heartbeat), whether it is stuck, and whether it is the likely culprit of a
+hang (outside any collective while its peers wait inside one).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+from exporter.catalog import BY_NAME as EXPORTER_SPECS
+from exporter.catalog import RANK_STATES
+from exporter.config import ExporterConfig
+from training.catalog import COLLECTIVE_OPS, IDENTITY_LABELS
+from training.registration import (RANKS_SUBDIR, Registration, latest_per_rank, load_registrations,
+                                   process_state)
+
+log = logging.getLogger("rankscope.exporter")
+
+
+@dataclass
+class RankView:
+    """What the exporter knows about the newest process of one rank."""
+
+    reg: Registration
+    alive: bool
+    heartbeat: float = 0.0
+    last_step: float = 0.0
+    in_flight: dict[str, float] = field(default_factory=dict)   # op -> started (unix)
+    state: str = "starting"
+    suspect: bool = False
+
+
+def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> None:
+    """Fill in ``state`` and ``suspect`` for the ranks of one run on this node."""
+    for v in views:
+        stalled = now - (v.last_step or v.reg.started_at)
+        if v.reg.finished_at:
+            v.state = "finished"
+        elif not v.alive:
+            v.state = "dead"
+        elif process_state(v.reg.pid) == "T" or (v.heartbeat and now - v.heartbeat > cfg.frozen_after_s):
+            v.state = "frozen"
+        elif stalled > cfg.stuck_after_s:
+            v.state = "stuck_in_collective" if v.in_flight else "stuck"
+        elif not v.last_step:
+            v.state = "starting"
+        else:
+            v.state = "progressing"
+    waiting = [v for v in views if v.alive and v.in_flight
+               and now - min(v.in_flight.values()) > cfg.suspect_after_s]
+    if not waiting:
+        return
+    for v in views:
+        stalled = now - (v.last_step or v.reg.started_at)
+        if v.state in ("dead", "finished"):
+            continue
+        outside = not v.in_flight or v.state == "frozen"
+        v.suspect = outside and stalled > cfg.suspect_after_s
+
+
+class RankCollector:
+    """A prometheus_client collector over every run directory under ``cfg.directory``."""
+
+    def __init__(self, cfg: ExporterConfig):
+        self.cfg = cfg
+        self._marked_dead: set[tuple[str, int]] = set()
+        self.last_alive = time.time()   # when a rank was last seen alive (for idle exit)
+        self.state_counts: dict[str, int] = dict.fromkeys(RANK_STATES, 0)
+
+    def run_dirs(self) -> list[Path]:
+        return sorted(p.parent for p in self.cfg.directory.glob(f"*/{RANKS_SUBDIR}") if p.is_dir())
+
+    def collect(self) -> Iterator[Metric]:
+        now = time.time()
+        families = _derived_families()
+        counts = dict.fromkeys(RANK_STATES, 0)
+        for run_dir in self.run_dirs():
+            views, merged = self._collect_run(run_dir, now)
+            yield from merged
+            for v in views:
+                counts[v.state] += 1
+                _add_view(families, v, now)
+            if views and any(v.alive for v in views):
+                self.last_alive = now
+            elif self._expired(views, now):
+                log.info("removing %s: every rank gone for more than %.0f s", run_dir, self.cfg.retention_s)
+                shutil.rmtree(run_dir, ignore_errors=True)
+        self.state_counts = counts
+        yield from families.values()
+
+    def _collect_run(self, run_dir: Path, now: float) -> tuple[list[RankView], list[Metric]]:
+        registrations = load_registrations(run_dir)
+        latest = latest_per_rank(registrations)
+        latest_pids = {str(r.pid) for r in latest.values()}
+        for reg in registrations:
+            key = (str(run_dir), reg.pid)
+            if key not in self._marked_dead and not reg.process_alive():
+                # Drops the dead process's live* gauges (heartbeat, in-flight);
+                # its counters and histograms stay so rates do not reset.
+                mark_process_dead(reg.pid, str(run_dir))
+                self._marked_dead.add(key)
+        files = glob.glob(str(run_dir / "*.db"))
+        merged = MultiProcessCollector.merge(files, accumulate=True) if files else []
+        index = _index(merged)
+        views = []
+        for rank, reg in sorted(latest.items()):
+            key = (reg.run, str(reg.rank))
+            v = RankView(reg=reg, alive=reg.process_alive())
+            v.heartbeat = index.get(("rankscope_heartbeat_timestamp_seconds",) + key, 0.0)
+            v.last_step = index.get(("rankscope_last_step_timestamp_seconds",) + key, 0.0)
+            for op in COLLECTIVE_OPS:
+                if index.get(("rankscope_collective_in_flight",) + key + (op,), 0.0) >= 1:
+                    v.in_flight[op] = index.get(("rankscope_collective_started_timestamp_seconds",) + key + (op,),
+                                                now) or now
+            if not v.alive:
+                v.in_flight.clear()
+            views.append(v)
+        derive_states(views, self.cfg, now)
+        # Older processes of a restarted rank keep their counters (summed by the
+        # merge) but not their identity series.
+        for metric in merged:
+            if metric.name == "rankscope_rank_info":
+                metric.samples = [s for s in metric.samples if s.labels.get("pid") in latest_pids]
+        return views, merged
+
+    def _expired(self, views: list[RankView], now: float) -> bool:
+        if not views:
+            return False
+        last = max(v.reg.finished_at or v.last_step or v.heartbeat or v.reg.started_at for v in views)
+        return now - last > self.cfg.retention_s
+
+
+def _index(merged: Iterable[Metric]) -> dict[tuple, float]:
+    """(metric name, run, rank[, op]) -> value, for the series the states are derived from."""
+    wanted = {"rankscope_heartbeat_timestamp_seconds", "rankscope_last_step_timestamp_seconds",
+              "rankscope_collective_in_flight", "rankscope_collective_started_timestamp_seconds"}
+    out: dict[tuple, float] = {}
+    for metric in merged:
+        if metric.name not in wanted:
+            continue
+        for s in metric.samples:
+            key = (metric.name, s.labels.get("run", ""), s.labels.get("rank", ""))
+            if "op" in s.labels:
+                key += (s.labels["op"],)
+            out[key] = s.value
+    return out
+
+
+def _derived_families() -> dict[str, GaugeMetricFamily]:
+    names = ("rankscope_rank_up", "rankscope_rank_state", "rankscope_hang_suspect",
+             "rankscope_step_stalled_seconds", "rankscope_heartbeat_age_seconds",
+             "rankscope_collective_in_flight_seconds")
+    return {n: GaugeMetricFamily(n, EXPORTER_SPECS[n].help, labels=EXPORTER_SPECS[n].label_names) for n in names}
+
+
+def _add_view(families: dict[str, GaugeMetricFamily], v: RankView, now: float) -> None:
+    ident = [v.reg.labels[k] for k in IDENTITY_LABELS]
+    families["rankscope_rank_up"].add_metric(ident, 1.0 if v.alive else 0.0)
+    for state in RANK_STATES:
+        families["rankscope_rank_state"].add_metric(ident + [state], 1.0 if v.state == state else 0.0)
+    families["rankscope_hang_suspect"].add_metric(ident, 1.0 if v.suspect else 0.0)
+    if v.state in ("dead", "finished"):
+        return
+    families["rankscope_step_stalled_seconds"].add_metric(ident, max(now - (v.last_step or v.reg.started_at), 0.0))
+    if v.heartbeat:
+        families["rankscope_heartbeat_age_seconds"].add_metric(ident, max(now - v.heartbeat, 0.0))
+    for op in COLLECTIVE_OPS:
+        since = v.in_flight.get(op)
+        families["rankscope_collective_in_flight_seconds"].add_metric(ident + [op], max(now - since, 0.0)
+                                                                      if since else 0.0)

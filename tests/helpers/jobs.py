@@ -1,0 +1,189 @@
+"""Real torchrun jobs of the reference trainer, for tests.
+
+    with TrainJob(nproc=2, steps=300, extra_args=["--hang-at", "50"]) as job:
+        job.wait_for(lambda samples: ..., timeout=60)
+
+Each job gets its own metrics directory and a free port; on exit torchrun's
+process group and the auto-started exporter are killed and the directory is
+removed. Nothing is left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Callable, Iterable
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape_text(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+def parse(text: str) -> list[Sample]:
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def scrape(url: str, timeout: float = 5.0) -> list[Sample]:
+    return parse(scrape_text(url, timeout))
+
+
+def select(samples: Iterable[Sample], name: str, **labels: str) -> list[Sample]:
+    """Samples of one series name whose labels include ``labels``."""
+    return [s for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+
+
+def value(samples: Iterable[Sample], name: str, **labels: str) -> float | None:
+    found = select(samples, name, **labels)
+    return found[0].value if len(found) == 1 else None
+
+
+def wait_until(condition: Callable[[], object], timeout: float, interval: float = 0.25, what: str = "condition"):
+    """Poll ``condition`` until it returns something truthy; fail with ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            result = condition()
+            if result:
+                return result
+        except Exception as e:  # the server may not be up yet
+            last_error = e
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}" +
+                       (f" (last error: {last_error!r})" if last_error else ""))
+
+
+class TrainJob:
+    def __init__(self, nproc: int = 2, steps: int = 300, extra_args: Iterable[str] = (),
+                 env: dict[str, str] | None = None, port: int | None = None, metrics_dir: Path | None = None,
+                 run_id: str | None = None):
+        self.nproc = nproc
+        self.steps = steps
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
+        self.port = port or free_port()
+        self._own_dir = metrics_dir is None
+        self.metrics_dir = Path(metrics_dir or tempfile.mkdtemp(prefix="rankscope-test-"))
+        self.run_id = run_id or f"test-{self.port}"
+        self.url = f"http://127.0.0.1:{self.port}/metrics"
+        self.proc: subprocess.Popen | None = None
+        self.exporter_pid: int | None = None
+        self.log_path = self.metrics_dir.parent / f"{self.metrics_dir.name}.torchrun.log"
+        self.started = 0.0
+
+    @property
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.nproc),
+                "-m", "training.train", "--steps", str(self.steps), "--metrics-port", str(self.port),
+                "--run-id", self.run_id, *self.extra_args]
+
+    def __enter__(self) -> "TrainJob":
+        env = {**os.environ, "RANKSCOPE_METRICS_DIR": str(self.metrics_dir), "PYTHONUNBUFFERED": "1",
+               **self.extra_env}
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        self._log = open(self.log_path, "wb")
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(self.command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self._kill_exporter()
+        self._log.close()
+        if self._own_dir:
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        if exc[0] is None:
+            self.log_path.unlink(missing_ok=True)
+        else:
+            print(f"--- torchrun log ({self.log_path}) ---\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        """Kill torchrun and its ranks (not the exporter, which lives in its own session)."""
+        if self.proc and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+        self._reap_ranks()
+
+    def _reap_ranks(self) -> None:
+        for pid in self.rank_pids().values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _kill_exporter(self) -> None:
+        pid = self.exporter_pid or self._health_pid()
+        if pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _health_pid(self) -> int | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as resp:
+                return int(json.loads(resp.read())["pid"])
+        except Exception:
+            return None
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as resp:
+            doc = json.loads(resp.read())
+        self.exporter_pid = int(doc["pid"])
+        return doc
+
+    def scrape(self) -> list[Sample]:
+        samples = scrape(self.url)
+        if self.exporter_pid is None:
+            self.exporter_pid = self._health_pid()
+        return samples
+
+    def wait_for(self, predicate: Callable[[list[Sample]], object], timeout: float = 60.0,
+                 what: str = "metrics condition"):
+        try:
+            return wait_until(lambda: predicate(self.scrape()), timeout, what=what)
+        except TimeoutError:
+            print(f"--- torchrun log ---\n{self.log()[-3000:]}")
+            raise
+
+    def wait(self, timeout: float = 120.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout)
+
+    def rank_pids(self) -> dict[int, int]:
+        """rank -> pid of its newest process, from the registrations."""
+        from training.registration import latest_per_rank, load_registrations
+
+        out: dict[int, int] = {}
+        for run_dir in self.metrics_dir.glob(f"*/ranks"):
+            out.update({r: reg.pid for r, reg in latest_per_rank(load_registrations(run_dir.parent)).items()})
+        return out

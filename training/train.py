@@ -1,0 +1,211 @@
+"""The reference job: a real DDP training run, instrumented with rankscope.
+
+    torchrun --standalone --nproc-per-node 2 -m training.train --steps 600 --metrics-port 9400
+
+A student MLP learns to imitate a fixed random "teacher" network on synthetic
+data: the loss falls within a minute on two CPU cores, and a periodic
+evaluation reports accuracy as a custom metric. gloo on CPU, NCCL on GPU.
+
+Fault injection (each targets ``--fault-rank``, default the last rank) makes
+the pathologies rankscope must catch happen for real: a NaN loss, a loss
+spike, an out-of-memory error, a crash, a hang before a collective, a slow
+rank, a slow data pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from training.config import ConfigError
+from training.monitor import Monitor
+
+IN_FEATURES, CLASSES = 32, 10
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="rankscope-train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=600, help="training steps (default 600)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve the node's /metrics on this port (default 9400)")
+    p.add_argument("--run-id", default=None, help="run label (default: torchrun's run id)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--samples", type=int, default=32768, help="training set size")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--workers", type=int, default=1, help="data loader worker processes")
+    p.add_argument("--print-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bucket-cap-mb", type=float, default=0.1,
+                   help="DDP gradient bucket size (small by default so the small model has several buckets)")
+    p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step on every rank (longer runs)")
+    f = p.add_argument_group("fault injection")
+    f.add_argument("--fault-rank", type=int, default=None, help="rank the faults target (default: the last rank)")
+    f.add_argument("--nan-loss-at", type=int, default=None, metavar="STEP", help="make the loss NaN at STEP")
+    f.add_argument("--loss-spike-at", type=int, default=None, metavar="STEP", help="multiply the loss by 50 at STEP")
+    f.add_argument("--oom-at", type=int, default=None, metavar="STEP", help="raise an out-of-memory error at STEP")
+    f.add_argument("--crash-at", type=int, default=None, metavar="STEP", help="SIGKILL the rank at STEP")
+    f.add_argument("--hang-at", type=int, default=None, metavar="STEP", help="hang before the collective of STEP")
+    f.add_argument("--slow-rank-delay", type=float, default=0.0, metavar="S", help="extra compute seconds per step")
+    f.add_argument("--slow-data-delay", type=float, default=0.0, metavar="S", help="extra seconds per batch load")
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "hidden", "samples", "eval_every", "print_every"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.workers < 0 or args.slow_rank_delay < 0 or args.slow_data_delay < 0 or args.step_delay < 0:
+        p.error("--workers and delays must be >= 0")
+    if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
+        p.error(f"--metrics-port {args.metrics_port} is not a TCP port (1-65535)")
+    return args
+
+
+class TeacherDataset(Dataset):
+    """Inputs from a fixed Gaussian, labels from a fixed random teacher MLP."""
+
+    def __init__(self, n: int, seed: int, split: str, slow_delay: float = 0.0):
+        g = torch.Generator().manual_seed(seed)
+        teacher = nn.Sequential(nn.Linear(IN_FEATURES, 64), nn.Tanh(), nn.Linear(64, CLASSES))
+        with torch.no_grad():
+            for param in teacher.parameters():
+                param.copy_(torch.randn(param.shape, generator=g) * 1.5)
+            inputs = torch.Generator().manual_seed(seed * 1000 + (1 if split == "train" else 2))
+            self.x = torch.randn(n, IN_FEATURES, generator=inputs)
+            self.y = teacher(self.x).argmax(dim=1)
+        self.slow_delay = slow_delay
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+    def collate(self, batch):
+        if self.slow_delay:
+            time.sleep(self.slow_delay)
+        xs, ys = zip(*batch)
+        return torch.stack(xs), torch.stack(ys)
+
+
+def build_model(hidden: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(IN_FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, CLASSES))
+
+
+def evaluate(model: nn.Module, data: TeacherDataset, device, monitor: Monitor) -> tuple[float, float]:
+    model.eval()
+    with torch.no_grad():
+        logits = model(data.x.to(device))
+        loss = nn.functional.cross_entropy(logits, data.y.to(device), reduction="sum")
+        correct = (logits.argmax(dim=1) == data.y.to(device)).sum().float()
+        totals = torch.stack([loss, correct, torch.tensor(float(len(data)), device=device)])
+        with monitor.collective("all_reduce", totals):
+            dist.all_reduce(totals)
+    model.train()
+    loss_sum, correct_sum, n = totals.tolist()
+    return loss_sum / n, correct_sum / n
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        # Ranks share the cores; more threads per rank only fight each other.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    backend = "nccl" if cuda else "gloo"
+    try:
+        monitor = Monitor(device=device, backend=backend, run=args.run_id, metrics_port=args.metrics_port)
+    except ConfigError as e:
+        print(f"rankscope-train: error: {e}", file=sys.stderr)
+        return 2
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fault_rank = world - 1 if args.fault_rank is None else args.fault_rank
+    faulty = rank == fault_rank
+    torch.manual_seed(args.seed)
+    if rank == 0:
+        cfg = monitor.config
+        print(f"rankscope: run {monitor.identity.run!r}, {world} ranks ({backend}); "
+              f"live metrics at http://{cfg.metrics_addr}:{cfg.metrics_port}/metrics", flush=True)
+
+    train_set = TeacherDataset(args.samples, args.seed, "train", slow_delay=args.slow_data_delay if faulty else 0.0)
+    eval_set = TeacherDataset(4096, args.seed, "eval")
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
+                        collate_fn=train_set.collate, drop_last=True, persistent_workers=args.workers > 0)
+    model = monitor.watch(DDP(build_model(args.hidden).to(device), device_ids=[local_rank] if cuda else None,
+                                 bucket_cap_mb=args.bucket_cap_mb))
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=2)
+    accuracy = monitor.gauge("eval_accuracy_ratio", "Accuracy of the reference model on the held-out set.")
+    eval_loss_metric = monitor.gauge("eval_loss", "Loss of the reference model on the held-out set.")
+    loss_fn = nn.CrossEntropyLoss()
+
+    step, epoch, t_start = 0, 0, time.perf_counter()
+    while step < args.steps:
+        sampler.set_epoch(epoch)
+        for x, y in monitor.data(loader):
+            if step >= args.steps:
+                break
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with monitor.step(samples=len(x)) as s:
+                with s.phase("forward"):
+                    if faulty and step == args.oom_at:
+                        raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 80.00 GiB")
+                    if faulty and step == args.crash_at:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    if faulty and args.slow_rank_delay:
+                        time.sleep(args.slow_rank_delay)
+                    if args.step_delay:
+                        time.sleep(args.step_delay)
+                    loss = loss_fn(model(x), y)
+                    if faulty and step == args.nan_loss_at:
+                        loss = loss * float("nan")
+                    if faulty and step == args.loss_spike_at:
+                        loss = loss * 50.0
+                if faulty and step == args.hang_at:
+                    print(f"rank {rank}: injected hang at step {step}", flush=True)
+                    while True:  # peers block in this step's all-reduce
+                        time.sleep(1)
+                with s.phase("backward"):
+                    loss.backward()
+                with s.phase("optimizer"):
+                    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=5.0)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                s.observe(loss=loss.detach(), grad_norm=grad_norm, lr=opt.param_groups[0]["lr"])
+            step += 1
+            if step % args.eval_every == 0 or step == args.steps:
+                eval_loss, acc = evaluate(model, eval_set, device, monitor)
+                sched.step(eval_loss)
+                accuracy.set(acc)
+                eval_loss_metric.set(eval_loss)
+                if rank == 0:
+                    print(f"step {step}: eval loss {eval_loss:.4f} accuracy {acc:.3f}", flush=True)
+            if rank == 0 and step % args.print_every == 0:
+                elapsed = time.perf_counter() - t_start
+                print(f"step {step}/{args.steps} loss {loss.item():.4f} lr {opt.param_groups[0]['lr']:.4g} "
+                      f"{1000 * elapsed / step:.1f} ms/step", flush=True)
+        epoch += 1
+    dist.barrier()
+    monitor.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
