@@ -367,9 +367,9 @@ class OtlpTracing(Tracing):
             self._records.put_nowait(None)
         except queue.Full:  # the worker is behind: let it finish what fits before the deadline
             threading.Thread(target=self._records.put, args=(None,), daemon=True).start()
+        self.exporter.deadline = deadline
         # Leave the last part of the budget for the SDK shutdown (export + close channel).
         self._worker.join(timeout=max(0.0, (deadline - time.monotonic()) * 0.5))
-        self.exporter.deadline = deadline
         closer = threading.Thread(target=self._close_sdk, name="rankscope-spans-shutdown", daemon=True)
         closer.start()
         closer.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -434,8 +434,9 @@ def _make_exporter(config: TracingConfig):
 
 class CountingExporter:
     """Wraps the OTLP exporter: counts the spans it is given and those that
-    failed to export. After ``deadline`` (monotonic, set at shutdown) it
-    fails batches at once instead of waiting on the collector again.
+    failed to export. Once shutdown has started (``deadline`` set), it fails
+    batches at once if the deadline has passed or the previous export failed,
+    instead of waiting on a dead collector again.
 
     Duck-typed (the SDK's batch processor only calls these three methods) so
     that importing this module does not import the SDK.
@@ -446,7 +447,8 @@ class CountingExporter:
         self.given = 0
         self.succeeded = 0
         self.failed = 0
-        self.deadline: float | None = None
+        self.deadline: float | None = None   # set when shutdown starts
+        self.last_ok = True
         self._logged = False
 
     def export(self, spans: Sequence):
@@ -454,14 +456,17 @@ class CountingExporter:
 
         n = len(spans)
         self.given += n
-        if self.deadline is not None and time.monotonic() >= self.deadline:
+        if self.deadline is not None and (time.monotonic() >= self.deadline or not self.last_ok):
+            # Shutting down: past the deadline, or the collector failed the
+            # last export (it is down: waiting on it again only delays exit).
             self.failed += n
             return SpanExportResult.FAILURE
         try:
             result = self.inner.export(spans)
         except Exception:
             result = SpanExportResult.FAILURE
-        if result is SpanExportResult.SUCCESS:
+        self.last_ok = result is SpanExportResult.SUCCESS
+        if self.last_ok:
             self.succeeded += n
         else:
             self.failed += n
