@@ -35,7 +35,9 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers.otlp_receiver import OtlpReceiver
 from tests.helpers.promstack import PrometheusServer, free_port, poll
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,6 +86,40 @@ def rules_job() -> str:
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, **kw)
+
+
+def _start_exporter(port: int, directory: Path, command: list[str] | None = None,
+                    env: dict[str, str] | None = None) -> subprocess.Popen:
+    command = command or [sys.executable, "-m", "exporter", "--addr", "127.0.0.1", "--port", str(port),
+                          "--dir", str(directory), "--no-nvml"]
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exporter exited: {proc.stderr.read().decode()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    try:
+        poll(healthy, timeout=30, what="exporter /healthz")
+    except BaseException:
+        _stop(proc)
+        raise
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 # --- every YAML ---------------------------------------------------------------
@@ -195,6 +231,74 @@ def test_compose_prometheus_config_with_the_project_rules_passes_promtool(compos
     assert result.returncode == 0, result.stdout + result.stderr
     for rule_file in generate.rule_files():
         assert rule_file.name in result.stdout, f"promtool did not check {rule_file}"
+
+
+def _run_job(command: list[str], env: dict[str, str], timeout: float) -> int:
+    """Run torchrun; on timeout SIGTERM it, which it forwards to its ranks
+    (each rank has its own session: SIGKILL to torchrun would orphan them)."""
+    job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)
+    try:
+        output, _ = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        job.terminate()
+        try:
+            output, _ = job.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            output, _ = job.communicate()
+        pytest.fail(f"the job did not finish in {timeout} s:\n{output[-3000:]}")
+    assert job.returncode == 0, output[-3000:]
+    return job.returncode
+
+
+def _with_option(command: list[str], option: str, value: str) -> list[str]:
+    command = list(command)
+    command[command.index(option) + 1] = value
+    return command
+
+
+def test_compose_wiring_runs_a_real_job(compose, tmp_path):
+    """The exporter and trainer services' commands and environment, run here
+    as processes (service addresses mapped to loopback, the volume to a temp
+    dir): the ranks find the separate exporter, it serves both ranks with the
+    compose run/node labels, and spans reach an OTLP receiver."""
+    exporter_svc, trainer_svc = compose["services"]["exporter"], compose["services"]["trainer"]
+    port, metrics_dir = free_port(), tmp_path / "metrics"
+    exporter_cmd = _with_option(_with_option(_with_option(
+        exporter_svc["command"], "--addr", "127.0.0.1"), "--port", str(port)), "--dir", str(metrics_dir))
+    assert exporter_cmd[0] == "python"
+    trainer_cmd = _with_option(_with_option(_with_option(
+        trainer_svc["command"], "--steps", "20"), "--step-delay", "0"), "--metrics-port", str(port))
+    assert trainer_cmd[0] == "torchrun"
+
+    with OtlpReceiver() as receiver:
+        env = {**os.environ, **trainer_svc["environment"], "RANKSCOPE_METRICS_DIR": str(metrics_dir),
+               "RANKSCOPE_METRICS_ADDR": "127.0.0.1", "RANKSCOPE_METRICS_PORT": str(port),
+               "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint}
+        exporter = _start_exporter(port, metrics_dir, command=[sys.executable, *exporter_cmd[1:]],
+                                   env={**os.environ, **exporter_svc["environment"]})
+        try:
+            torchrun = str(Path(sys.executable).with_name("torchrun"))
+            assert _run_job([torchrun, *trainer_cmd[1:]], env=env, timeout=150) == 0
+
+            def both_ranks_finished() -> bool:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                        text = r.read().decode()
+                except OSError:  # a slow scrape on a busy machine: try again
+                    return False
+                finished = {s.labels["rank"] for f in text_string_to_metric_families(text) for s in f.samples
+                            if s.name == "rankscope_rank_state" and s.labels["state"] == "finished"
+                            and s.value == 1 and s.labels["run"] == env["RANKSCOPE_RUN"]
+                            and s.labels["node"] == env["RANKSCOPE_NODE"]}
+                return finished == {"0", "1"}
+
+            poll(both_ranks_finished, timeout=30, what="rank_state finished for ranks 0 and 1 of the compose run")
+            spans = receiver.wait_for_spans(lambda spans: len(spans) > 0, timeout=30)
+            assert any(s.resource.get("service.name") == env["OTEL_SERVICE_NAME"] for s in spans)
+        finally:
+            _stop(exporter)
 
 
 def test_compose_alertmanager_config_is_valid():
@@ -443,38 +547,6 @@ def test_slurm_prometheus_config_passes_promtool(tmp_path):
     path.write_text(yaml.safe_dump(config))
     result = run(["promtool", "check", "config", str(path)])
     assert result.returncode == 0, result.stdout + result.stderr
-
-
-def _start_exporter(port: int, directory: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "exporter", "--addr", "127.0.0.1", "--port", str(port), "--dir", str(directory),
-         "--no-nvml"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-
-    def healthy() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exporter exited: {proc.stderr.read().decode()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    try:
-        poll(healthy, timeout=30, what="exporter /healthz")
-    except BaseException:
-        _stop(proc)
-        raise
-    return proc
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_slurm_prolog_and_epilog_register_the_node_with_a_real_prometheus(tmp_path):
