@@ -207,6 +207,9 @@ def value_mappings(codes: dict[int, tuple[str, str]]) -> list:
 # Variables, links, dashboard skeleton
 
 def variables() -> list:
+    # Values come from rankscope_rank_up: the exporter emits it for every rank
+    # it knows, from registration (before the first step) until the run's
+    # files are removed, dead ranks included.
     def label_var(name: str, label: str, query_text: str, multi: bool) -> dash.QueryVariable:
         v = (dash.QueryVariable(name).label(label).datasource(DATASOURCE)
              .query({"query": query_text, "refId": f"{name}-variable", "qryType": 1})
@@ -218,9 +221,9 @@ def variables() -> list:
     return [
         dash.DatasourceVariable("datasource").label("Data source").type("prometheus").regex("")
         .current(VariableOption(selected=True, text="Prometheus", value=PROMETHEUS_UID)),
-        label_var("run", "Run", "label_values(rankscope_rank_info, run)", multi=False),
-        label_var("node", "Node", 'label_values(rankscope_rank_info{run="$run"}, node)', multi=True),
-        label_var("rank", "Rank", 'label_values(rankscope_rank_info{run="$run", node=~"$node"}, rank)',
+        label_var("run", "Run", "label_values(rankscope_rank_up, run)", multi=False),
+        label_var("node", "Node", 'label_values(rankscope_rank_up{run="$run"}, node)', multi=True),
+        label_var("rank", "Rank", 'label_values(rankscope_rank_up{run="$run", node=~"$node"}, rank)',
                   multi=True),
     ]
 

@@ -213,7 +213,7 @@ def test_metric_name_extraction():
             '{run="$run", node=~"a|b"}[$__rate_interval]))) / on (node) group_left (rank) '
             'run:rankscope_x:sum or label_replace(up{a="rate(x)"}, "u", "$1", "g", "(.+)") > 1e-9')
     assert metric_names(expr) == {"rankscope_step_duration_seconds_bucket", "run:rankscope_x:sum", "up"}
-    assert metric_names('label_values(rankscope_rank_info{run="$run"}, node)') == {"rankscope_rank_info"}
+    assert metric_names('label_values(rankscope_rank_up{run="$run"}, node)') == {"rankscope_rank_up"}
 
 
 @pytest.mark.parametrize("name", sorted(DASHBOARDS))
