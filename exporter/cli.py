@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from exporter.collector import NodeCollector
 from exporter.config import ExporterConfig, ExporterConfigError, default_node
 from exporter.server import make_app, serve
+from exporter.webconfig import load_web_config
 
 log = logging.getLogger("rankscope.exporter")
 
@@ -75,20 +76,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         _prepare_directory(cfg.directory)
+        web = load_web_config(cfg.web_config) if cfg.web_config is not None else None
         registry = CollectorRegistry(auto_describe=False)
         registry.register(NodeCollector(cfg))
-        app = make_app(cfg, registry, threading.Lock())
-        server = serve(cfg, app)
+        app = make_app(cfg, registry, threading.Lock(), web)
     except ExporterConfigError as e:
         print(f"rankscope-exporter: error: {e}", file=sys.stderr)
         return 2
+    try:
+        server = serve(cfg, app, web)
     except OSError as e:
+        # Only binding happens here, so the error is the address's or the port's.
         if e.errno == errno.EADDRINUSE:
-            print(f"rankscope-exporter: error: --port: {args.addr}:{args.port or 9400} is already in use", file=sys.stderr)
+            print(f"rankscope-exporter: error: --port: {cfg.addr}:{cfg.port} is already in use", file=sys.stderr)
         else:
-            print(f"rankscope-exporter: error: --addr/--port: cannot listen: {e.strerror or e}", file=sys.stderr)
+            print(f"rankscope-exporter: error: --addr/--port: cannot listen on {cfg.addr}:{cfg.port}: "
+                  f"{e.strerror or e}", file=sys.stderr)
         return 2
-    log.info("serving http://%s:%d/metrics for %s (node %s)", cfg.addr, cfg.port, cfg.directory, cfg.node)
+    scheme = "https" if web is not None and web.ssl_context is not None else "http"
+    log.info("serving %s://%s:%d/metrics for %s (node %s)%s", scheme, cfg.addr, cfg.port, cfg.directory, cfg.node,
+             " with basic auth" if web is not None and web.auth_required else "")
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     if cfg.exit_when_idle_s:
         threading.Thread(target=_exit_when_idle, args=(server, cfg), daemon=True).start()

@@ -3,13 +3,34 @@
 Routes: /metrics (Prometheus text or OpenMetrics, negotiated), /healthz (a
 JSON document that also lets a starting job recognise its node's exporter),
 and / (a landing page).
+
+Hardening (docs/reliability.md and docs/security.md have the drills):
+
+* Optional TLS, mutual TLS and basic auth from an exporter-toolkit web
+  configuration file (``exporter.webconfig``). Every path is protected.
+* The TLS handshake runs in the connection's own thread, never in the accept
+  loop, so a client that connects and says nothing cannot stall the server.
+* Each connection must deliver its request line and headers within
+  ``HEADER_DEADLINE_S`` in total (slowloris: a byte every few seconds never
+  trips a per-read timeout); every read and write also has a timeout.
+* At most ``MAX_CONNECTIONS`` connections are served at once; beyond that a
+  new connection is closed at once instead of growing threads without bound.
+* Concurrent scrapes share one collection: a scrape waits for the collection
+  in progress only if that one started after it arrived, else it starts one.
+  Values are thus never older than the scrape's arrival, and 50 scrapers cost
+  about one collection each round instead of 50.
+* Errors in a connection (bad bytes, failed handshakes, resets) are logged at
+  debug level, never as a traceback per connection on stderr.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import socket
 import threading
+import time
 from typing import Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -18,48 +39,154 @@ from prometheus_client.exposition import ThreadingWSGIServer
 
 from exporter import __version__
 from exporter.config import ExporterConfig
+from exporter.webconfig import WebConfig
+
+log = logging.getLogger("rankscope.exporter")
 
 StartResponse = Callable[..., object]
 
+SOCKET_TIMEOUT_S = 10.0      # any single read or write
+HEADER_DEADLINE_S = 10.0     # request line + headers, in total
+MAX_CONNECTIONS = 512
+METRICS_CACHE_KEYS = 16      # distinct (Accept, Accept-Encoding, query) renderings kept
 
-class _QuietHandler(WSGIRequestHandler):
-    """No access log per scrape; short socket timeout so slow clients cannot pin threads."""
 
-    timeout = 10
+class _Handler(WSGIRequestHandler):
+    """No access log per scrape; TLS handshake and header deadline per connection."""
+
+    timeout = SOCKET_TIMEOUT_S
+
+    def handle(self) -> None:
+        self._deadline = threading.Timer(self.server.header_deadline_s, self._abort)
+        self._deadline.daemon = True
+        self._deadline.start()
+        try:
+            if self.server.ssl_context is not None:
+                self.connection.do_handshake()
+            super().handle()
+        finally:
+            self._deadline.cancel()
+
+    def parse_request(self) -> bool:
+        self._deadline.cancel()   # headers are in: the deadline has done its job
+        return super().parse_request()
+
+    def _abort(self) -> None:
+        # The plain socket's shutdown, not SSLSocket's (which would drop the
+        # SSL object under the reading thread): the blocked read sees EOF.
+        try:
+            socket.socket.shutdown(self.connection, socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def log_message(self, format: str, *args: object) -> None:
         pass
 
 
-def make_app(cfg: ExporterConfig, registry: CollectorRegistry, lock: threading.Lock):
+class ExporterServer(ThreadingWSGIServer):
+    """Thread per connection, bounded; optional TLS."""
+
+    daemon_threads = True
+    request_queue_size = 128
+    ssl_context = None
+    header_deadline_s = HEADER_DEADLINE_S
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def get_request(self):
+        sock, addr = self.socket.accept()
+        if self.ssl_context is not None:
+            sock = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, addr
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.debug("connection from %s refused: %d connections open", client_address, MAX_CONNECTIONS)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        log.debug("connection from %s failed", client_address, exc_info=True)
+
+
+class _SharedCollection:
+    """Single-flight rendering of /metrics (see the module docstring)."""
+
+    def __init__(self, metrics_app):
+        self.metrics_app = metrics_app
+        self.lock = threading.Lock()
+        self.cache: dict[tuple, tuple[float, str, list, list[bytes]]] = {}
+
+    def __call__(self, environ: dict, start_response: StartResponse) -> Iterable[bytes]:
+        arrived = time.monotonic()
+        key = (environ.get("HTTP_ACCEPT", ""), environ.get("HTTP_ACCEPT_ENCODING", ""),
+               environ.get("QUERY_STRING", ""))
+        with self.lock:
+            hit = self.cache.get(key)
+            if hit is None or hit[0] < arrived:
+                started = time.monotonic()
+                captured: list = []
+                body = list(self.metrics_app(environ, lambda status, headers, *a: captured.extend((status, headers))))
+                hit = (started, captured[0], captured[1], body)
+                if len(self.cache) >= METRICS_CACHE_KEYS:
+                    self.cache.clear()
+                self.cache[key] = hit
+        _, status, headers, body = hit
+        start_response(status, list(headers))
+        return body
+
+
+def make_app(cfg: ExporterConfig, registry: CollectorRegistry, lock: threading.Lock | None = None,
+             web: WebConfig | None = None):
     started = {"pid": os.getpid(), "service": "rankscope-exporter", "version": __version__,
                "directory": str(cfg.directory), "node": cfg.node}
-
-    metrics_app = make_wsgi_app(registry)
+    metrics = _SharedCollection(make_wsgi_app(registry))
+    if lock is not None:
+        metrics.lock = lock
+    web = web or WebConfig()
 
     def app(environ: dict, start_response: StartResponse) -> Iterable[bytes]:
+        def respond(status: str, headers: list, *args):
+            return start_response(status, list(headers) + web.headers, *args)
+
+        if web.auth_required and not web.check_authorization(environ.get("HTTP_AUTHORIZATION")):
+            body = b"Unauthorized\n"
+            respond("401 Unauthorized", [("Content-Type", "text/plain"), ("Content-Length", str(len(body))),
+                                         ("WWW-Authenticate", 'Basic realm="rankscope-exporter"')])
+            return [body]
         path = environ.get("PATH_INFO", "/")
         if path == "/metrics":
-            # One scrape at a time: concurrent merges of the same files would
-            # only multiply the work.
-            with lock:
-                return list(metrics_app(environ, start_response))
+            return metrics(environ, respond)
         if path in ("/healthz", "/-/healthy", "/-/ready"):
             body = json.dumps(started).encode()
-            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            respond("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
         if path == "/":
             body = (b"<html><head><title>rankscope exporter</title></head><body><h1>rankscope exporter</h1>"
                     b"<p><a href='/metrics'>/metrics</a> <a href='/healthz'>/healthz</a></p></body></html>")
-            start_response("200 OK", [("Content-Type", "text/html"), ("Content-Length", str(len(body)))])
+            respond("200 OK", [("Content-Type", "text/html"), ("Content-Length", str(len(body)))])
             return [body]
-        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        respond("404 Not Found", [("Content-Type", "text/plain")])
         return [b"not found\n"]
 
     return app
 
 
-def serve(cfg: ExporterConfig, app) -> ThreadingWSGIServer:
+def serve(cfg: ExporterConfig, app, web: WebConfig | None = None) -> ExporterServer:
     """Bind (errors surface here, at start-up) and return the server; the caller runs it."""
-    ThreadingWSGIServer.daemon_threads = True
-    return make_server(cfg.addr, cfg.port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
+    server = make_server(cfg.addr, cfg.port, app, ExporterServer, handler_class=_Handler)
+    server.ssl_context = web.ssl_context if web is not None else None
+    return server
