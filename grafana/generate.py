@@ -40,6 +40,8 @@ from grafana_foundation_sdk.models.dashboard import (
     DashboardLinkType,
     DataSourceRef,
     DataTransformerConfig,
+    Threshold,
+    ThresholdsMode,
     ValueMap,
     ValueMappingResult,
     VariableOption,
@@ -115,9 +117,10 @@ def gpu_metric(name: str, extra_labels: str = "") -> str:
 # --------------------------------------------------------------------------
 # Panel helpers: each sets datasource, unit and description in one place.
 
-def query(expr: str, legend: str = "", ref: str = "A", instant: bool = False,
+def query(expr: str, legend: str = "", instant: bool = False,
           fmt: PromQueryFormat | None = None) -> prometheus.Dataquery:
-    q = prometheus.Dataquery().expr(expr).ref_id(ref).datasource(DATASOURCE)
+    """A Prometheus query on the ${datasource} variable (refIds are assigned by the panel helpers)."""
+    q = prometheus.Dataquery().expr(expr).datasource(DATASOURCE)
     if legend:
         q = q.legend_format(legend)
     if instant:
@@ -130,6 +133,7 @@ def query(expr: str, legend: str = "", ref: str = "A", instant: bool = False,
 
 
 def _targets(panel, targets):
+    """Add the queries with refIds A, B, C... in order."""
     for i, t in enumerate(targets):
         panel = panel.with_target(t.ref_id(chr(ord("A") + i)))
     return panel
@@ -152,20 +156,16 @@ def ts(title: str, description: str, unit: str, targets: list, *, w: int = 12, h
 
 
 def single_stat(title: str, description: str, unit: str, targets: list, *, w: int = 4, h: int = 4,
-                mappings: list | None = None, thresholds: list[tuple[float | None, str]] | None = None):
+                thresholds: list[tuple[float | None, str]] | None = None):
     p = (stat.Panel().title(title).description(description).unit(unit).datasource(DATASOURCE)
          .span(w).height(h).graph_mode(common.BigValueGraphMode.AREA)
          .color_mode(common.BigValueColorMode.BACKGROUND)
          .reduce_options(common_builders.ReduceDataOptions().calcs(["lastNotNull"]).values(False)))
-    if mappings:
-        p = p.mappings(mappings)
     p = p.thresholds(_thresholds(thresholds or [(None, "green")]))
     return _targets(p, targets)
 
 
 def _thresholds(steps: list[tuple[float | None, str]]):
-    from grafana_foundation_sdk.models.dashboard import Threshold, ThresholdsMode
-
     return (dash.ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE)
             .steps([Threshold(value=v, color=c) for v, c in steps]))
 
@@ -187,13 +187,17 @@ def state_timeline(title: str, description: str, unit: str, targets: list, mappi
     return _targets(p, targets)
 
 
-def heatmap_panel(title: str, description: str, unit: str, targets: list, *, calculate: bool = False,
+def heatmap_panel(title: str, description: str, unit: str, targets: list, *, y_unit: str,
                   w: int = 12, h: int = 8):
+    """Pre-bucketed heatmap: each series is a row (a rank, or a histogram bucket); colour is the value.
+
+    ``unit`` is the unit of the cells (the colour), ``y_unit`` that of the rows.
+    """
     p = (heatmap.Panel().title(title).description(description).unit(unit).datasource(DATASOURCE)
-         .span(w).height(h).calculate(calculate)
+         .span(w).height(h).calculate(False)
          .color(heatmap.HeatmapColorOptions().mode(heatmap_models.HeatmapColorMode.SCHEME)
                 .scheme("Oranges").scale(heatmap_models.HeatmapColorScale.EXPONENTIAL).exponent(0.5))
-         .y_axis(heatmap.YAxisConfig().unit(unit if calculate else "none"))
+         .y_axis(heatmap.YAxisConfig().unit(y_unit))
          .cell_values(heatmap.CellValues().unit(unit)))
     return _targets(p, targets)
 
@@ -351,7 +355,7 @@ def ranks_and_stragglers() -> dash.Dashboard:
         [query(mean_step_seconds(), "rank {{rank}} ({{node}})")]))
     d = d.with_panel(heatmap_panel(
         "Step time per rank (heatmap)", "One row per rank; colour is the mean step time. A straggler is a hot row.",
-        "s", [query(f"max by (rank) ({mean_step_seconds()})", "{{rank}}")]))
+        "s", [query(f"max by (rank) ({mean_step_seconds()})", "{{rank}}")], y_unit="none"))
     # Synchronous training evens out step time across ranks; compute time per
     # step (forward + backward + optimizer) is what tells the straggler apart,
     # and is what the RankscopeStraggler alert compares with the run median.
@@ -369,9 +373,9 @@ def ranks_and_stragglers() -> dash.Dashboard:
         [query(f"rank:rankscope_phase_seconds:compute_per_step{{{SEL}}}", "rank {{rank}} ({{node}})"),
          query(f"run:rankscope_phase_seconds:compute_per_step_median{{{RUN_SEL}}}", "run median")]))
     d = d.with_panel(heatmap_panel(
-        "Step time distribution", "Histogram of step durations over all selected ranks.", "s",
+        "Step time distribution", "Steps per step-duration bucket (y axis) over time, all selected ranks.", "short",
         [query(f"sum by (le) (increase(rankscope_step_duration_seconds_bucket{{{SEL}}}[{RATE}]))",
-               "{{le}}", fmt=PromQueryFormat.HEATMAP)]))
+               "{{le}}", fmt=PromQueryFormat.HEATMAP)], y_unit="s"))
 
     d = d.with_row(dash.Row("Where the step time goes"))
     d = d.with_panel(ts(
