@@ -133,7 +133,7 @@ class RankCollector:
         # merge) but not their identity series.
         for metric in merged:
             if metric.name == "rankscope_rank_info":
-                metric.samples = [s for s in metric.samples if s.labels.get("pid") in latest_pids]
+                metric.samples = [s for s in metric.samples if s.labels.get("process_id") in latest_pids]
         return views, merged
 
     def _expired(self, views: list[RankView], now: float) -> bool:

@@ -90,7 +90,7 @@ def _h(name: str, help: str, buckets: tuple[float, ...], labels: tuple[str, ...]
 RANK_INFO_LABELS: tuple[str, ...] = (
     "world_size",
     "local_world_size",
-    "pid",
+    "process_id",  # not "pid": prometheus_client multiprocess mode strips a gauge label of that name
     "hostname",
     "device",
     "gpu_uuid",

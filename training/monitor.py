@@ -193,6 +193,9 @@ class Monitor:
         self.metrics.start_ts.set(self.registration.started_at)
         self.metrics.mem_total.set(self.memory.total)
         self.metrics.mem_limit.set(self.memory.host_limit)
+        for op in catalog.COLLECTIVE_OPS:  # known series are exported as 0, not absent
+            self.metrics.coll_in_flight[op].set(0.0)
+            self.metrics.coll_started[op].set(0.0)
         self._stop = threading.Event()
         self._publisher = threading.Thread(target=self._publish_loop, name="rankscope-publisher", daemon=True)
         self._publish()  # heartbeat and zeros visible before the first step
@@ -242,7 +245,7 @@ class Monitor:
 
         info = {
             "world_size": str(self.identity.world_size), "local_world_size": str(self.identity.local_world_size),
-            "pid": str(os.getpid()), "hostname": os.uname().nodename, "device": device, "gpu_uuid": uuid,
+            "process_id": str(os.getpid()), "hostname": os.uname().nodename, "device": device, "gpu_uuid": uuid,
             "backend": str(backend), "torch_version": torch.__version__, "nccl_version": nccl,
             "rankscope_version": __version__, "slurm_job_id": self.identity.slurm_job_id,
             "k8s_pod": self.identity.k8s_pod,
