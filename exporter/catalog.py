@@ -85,3 +85,37 @@ EXPORTER_METRICS: tuple[MetricSpec, ...] = (
 )
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in EXPORTER_METRICS}
+
+
+def markdown() -> str:
+    """The metric catalog as README tables (``python -m exporter.catalog --write README.md``)."""
+    from training.catalog import IDENTITY_LABELS, RANK_METRICS
+
+    ident = ", ".join(IDENTITY_LABELS)
+    lines = [f"Written by every rank (labels {ident}, plus those listed):", "",
+             "| metric | type | labels | meaning |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{m.name}` | {m.kind} | {', '.join(m.labels)} | {m.help} |" for m in RANK_METRICS]
+    lines += ["", "Derived by the node exporter (rank series carry the identity labels too):", "",
+              "| metric | type | labels | meaning |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{m.name}` | {m.kind} | {', '.join(m.labels)} | {m.help} |" for m in EXPORTER_METRICS]
+    return "\n".join(lines) + "\n"
+
+
+START, END = "<!-- catalog:start -->\n", "<!-- catalog:end -->"
+
+
+def splice(readme: str) -> str:
+    head, _, rest = readme.partition(START)
+    _, _, tail = rest.partition(END)
+    return head + START + markdown() + END + tail
+
+
+if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    if sys.argv[1:2] == ["--write"]:
+        path = Path(sys.argv[2])
+        path.write_text(splice(path.read_text()))
+    else:
+        print(markdown(), end="")
