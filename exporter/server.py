@@ -55,6 +55,10 @@ class _Handler(WSGIRequestHandler):
     """No access log per scrape; TLS handshake and header deadline per connection."""
 
     timeout = SOCKET_TIMEOUT_S
+    # http.server answers a request line without a version as HTTP/0.9: a bare
+    # body, no status line, which no scraper can read. Errors get a status
+    # line instead, and such requests are refused (parse_request).
+    default_request_version = "HTTP/1.0"
 
     def handle(self) -> None:
         self._deadline = threading.Timer(self.server.header_deadline_s, self._abort)
@@ -68,8 +72,16 @@ class _Handler(WSGIRequestHandler):
             self._deadline.cancel()
 
     def parse_request(self) -> bool:
+        # The request line is in; the base class reads the headers here.
+        if len(str(self.raw_requestline, "iso-8859-1").split()) == 2:
+            self._deadline.cancel()
+            self.request_version = self.default_request_version
+            self.close_connection = True
+            self.send_error(400, "HTTP/0.9 requests are not supported")
+            return False
+        ok = super().parse_request()
         self._deadline.cancel()   # headers are in: the deadline has done its job
-        return super().parse_request()
+        return ok
 
     def _abort(self) -> None:
         # The plain socket's shutdown, not SSLSocket's (which would drop the

@@ -13,6 +13,7 @@ import base64
 import datetime
 import ipaddress
 import os
+import socket
 import ssl
 import subprocess
 import sys
@@ -135,7 +136,11 @@ def test_basic_auth_over_tls(pki: Path, tmp_path: Path):
     ctx = client_context(pki)
     with ExporterProcess(tmp_path / "metrics", ["--web-config", str(cfg)], scheme="https",
                          ready=lambda e: _ready_on_401(e, ctx)) as exp:
+        # A client that connects and never starts the handshake must not stall
+        # the others: the handshake runs in the connection's own thread.
+        idle = socket.create_connection(("127.0.0.1", exp.port))
         status, body = get(exp.url, ctx)
+        idle.close()
         assert status == 401, body
         req = urllib.request.Request(exp.url)
         try:

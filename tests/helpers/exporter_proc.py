@@ -26,6 +26,7 @@ from tests.helpers.jobs import REPO, free_port, wait_until
 SYNTHETIC_RANK = r"""
 import os, sys, time
 from pathlib import Path
+from training.catalog import RANK_INFO_LABELS
 from training.metrics import RankMetrics
 from training.registration import Registration, process_start_ticks, run_slug
 
@@ -39,7 +40,9 @@ reg = Registration(run=run, rank=rank, local_rank=rank, node="synthetic", world_
                    agent_start_ticks=process_start_ticks(agent), started_at=time.time())
 reg.save(run_dir)
 m = RankMetrics(run_dir, labels)
-m.set_rank_info({"pid": str(pid), "world_size": str(world)})
+info = dict.fromkeys(RANK_INFO_LABELS, "")
+info.update({"process_id": str(pid), "world_size": str(world), "local_world_size": str(world)})
+m.set_rank_info(info)
 print("ready", flush=True)
 step = 0
 while True:
