@@ -81,7 +81,8 @@ class Registration:
         return state is not None and state not in ("Z", "X") and process_start_ticks(self.pid) == self.pid_start_ticks
 
     def agent_alive(self) -> bool:
-        return process_start_ticks(self.agent_pid) == self.agent_start_ticks
+        ticks = process_start_ticks(self.agent_pid)
+        return ticks is not None and ticks == self.agent_start_ticks
 
     @classmethod
     def load(cls, path: Path) -> "Registration":

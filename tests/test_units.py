@@ -1,0 +1,239 @@
+"""Unit tests of the rank side's pure parts and the exporter's state logic."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from exporter.config import ExporterConfig
+from exporter.ranks import RankView, derive_states
+from training.collectives import CollectiveTracker
+from training.config import ConfigError, MonitorConfig
+from training.health import GradNormTracker, LossTracker
+from training.identity import RankIdentity
+from training.registration import (Registration, db_file_pid, latest_per_rank, load_registrations,
+                                   process_start_ticks, remove_previous_launch, run_slug)
+
+# -- configuration ---------------------------------------------------------------
+
+
+def test_config_from_env_and_overrides(tmp_path):
+    env = {"RANKSCOPE_METRICS_PORT": "9500", "RANKSCOPE_SPIKE_ZSCORE": "4.5", "RANKSCOPE_METRICS_DIR": str(tmp_path)}
+    cfg = MonitorConfig.from_env(env, metrics_port=9600)
+    assert cfg.metrics_port == 9600 and cfg.spike_zscore == 4.5 and cfg.metrics_dir == tmp_path
+
+
+@pytest.mark.parametrize("env, option", [
+    ({"RANKSCOPE_METRICS_PORT": "abc"}, "RANKSCOPE_METRICS_PORT"),
+    ({"RANKSCOPE_METRICS_PORT": "70000"}, "metrics_port"),
+    ({"RANKSCOPE_EXPORTER": "sometimes"}, "exporter"),
+    ({"RANKSCOPE_COMM_TIMING": "magic"}, "comm_timing"),
+    ({"RANKSCOPE_PUBLISH_INTERVAL_S": "0"}, "publish_interval_s"),
+    ({"RANKSCOPE_LOSS_WINDOW": "1"}, "loss_window"),
+])
+def test_bad_config_names_the_option(env, option):
+    with pytest.raises(ConfigError, match=option):
+        MonitorConfig.from_env(env)
+
+
+def test_unknown_option_and_file_as_directory(tmp_path):
+    with pytest.raises(ConfigError, match="unknown option"):
+        MonitorConfig.from_env({}, metrics_prot=1)
+    f = tmp_path / "file"
+    f.write_text("")
+    with pytest.raises(ConfigError, match="metrics_dir"):
+        MonitorConfig.from_env({"RANKSCOPE_METRICS_DIR": str(f)})
+
+
+def test_identity_from_torchrun_slurm_and_defaults():
+    ident = RankIdentity.from_env(env={"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                                       "TORCHELASTIC_RUN_ID": "abc", "RANKSCOPE_NODE": "n7"})
+    assert ident.labels == {"run": "abc", "rank": "3", "local_rank": "1", "node": "n7"}
+    slurm = RankIdentity.from_env(env={"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+                                       "SLURM_NTASKS_PER_NODE": "8", "SLURM_JOB_ID": "4242",
+                                       "SLURMD_NODENAME": "gpu17"})
+    assert (slurm.run, slurm.rank, slurm.node, slurm.slurm_job_id) == ("4242", 5, "gpu17", "4242")
+    assert RankIdentity.from_env(env={}).run == "default"
+    with pytest.raises(ConfigError, match="RANK"):
+        RankIdentity.from_env(env={"RANK": "x"})
+    with pytest.raises(ConfigError, match="outside WORLD_SIZE"):
+        RankIdentity.from_env(env={"RANK": "4", "WORLD_SIZE": "4"})
+
+
+# -- divergence detection ----------------------------------------------------------
+
+
+def test_loss_tracker_flags_spikes_and_nonfinite_exactly():
+    t = LossTracker(window=50, ema_alpha=0.1, spike_z=6.0, warmup=20)
+    for i in range(100):
+        v = t.observe(2.0 + 0.01 * math.sin(i))
+        assert not v.spike and not v.nonfinite
+    assert t.observe(float("nan")).nonfinite
+    assert t.observe(float("inf")).nonfinite
+    spike = t.observe(5.0)
+    assert spike.spike and spike.zscore > 6
+    assert not t.observe(2.0).spike  # one spike does not poison the window
+
+
+def test_loss_tracker_respects_warmup_and_flat_loss():
+    t = LossTracker(window=10, ema_alpha=0.1, spike_z=6.0, warmup=5)
+    t.observe(1.0)
+    t.observe(1.0)
+    assert not t.observe(100.0).spike        # before warm-up
+    flat = LossTracker(window=10, ema_alpha=0.1, spike_z=6.0, warmup=2)
+    for _ in range(20):
+        assert not flat.observe(1.0).spike   # a flat loss never spikes on float noise
+
+
+def test_grad_norm_tracker():
+    g = GradNormTracker(factor=10.0, warmup=5)
+    for _ in range(20):
+        assert g.observe(1.0) == (False, False)
+    assert g.observe(50.0) == (False, True)
+    assert g.observe(float("nan")) == (True, False)
+    assert g.avg < 2.0
+
+
+# -- registration and cleaning ---------------------------------------------------
+
+
+def _reg(run_dir: Path, rank: int, pid: int, agent: int, started: float = 1.0) -> Registration:
+    reg = Registration(run="r", rank=rank, local_rank=rank, node="n", world_size=2, local_world_size=2, pid=pid,
+                       pid_start_ticks=process_start_ticks(pid), agent_pid=agent,
+                       agent_start_ticks=process_start_ticks(agent), started_at=started)
+    reg.save(run_dir)
+    return reg
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_previous_launch_files_are_removed_and_restarts_kept(tmp_path):
+    old_agent, old_rank = _dead_pid(), _dead_pid()
+    _reg(tmp_path, 0, old_rank, old_agent)
+    (tmp_path / f"counter_{old_rank}.db").write_bytes(b"x")
+    restarted = _dead_pid()   # an earlier process of the current launch (torchelastic restart)
+    _reg(tmp_path, 1, restarted, os.getppid())
+    (tmp_path / f"counter_{restarted}.db").write_bytes(b"x")
+    (tmp_path / f"counter_{os.getpid()}.db").write_bytes(b"x")   # alive: never removed
+    orphan = _dead_pid()
+    (tmp_path / f"histogram_{orphan}.db").write_bytes(b"x")     # no registration, dead
+    removed = remove_previous_launch(tmp_path, os.getppid(), process_start_ticks(os.getppid()))
+    names = {p.name for p in removed}
+    assert f"counter_{old_rank}.db" in names and f"histogram_{orphan}.db" in names
+    assert (tmp_path / f"counter_{restarted}.db").exists() and (tmp_path / f"counter_{os.getpid()}.db").exists()
+    assert [r.pid for r in load_registrations(tmp_path)] == [restarted]
+
+
+def test_latest_per_rank_and_helpers(tmp_path):
+    a = _reg(tmp_path, 0, _dead_pid(), os.getppid(), started=1.0)
+    b = _reg(tmp_path, 0, os.getpid(), os.getppid(), started=2.0)
+    latest = latest_per_rank(load_registrations(tmp_path))
+    assert latest[0].pid == b.pid != a.pid and latest[0].process_alive()
+    assert db_file_pid(Path("gauge_livemostrecent_123.db")) == 123 and db_file_pid(Path("x.db")) is None
+    assert run_slug("job-1.2_a") == "job-1.2_a"
+    assert run_slug("a/b") != run_slug("a_b") and "/" not in run_slug("a/b")
+
+
+# -- rank states -----------------------------------------------------------------
+
+
+def _view(rank: int, alive=True, heartbeat=0.0, last_step=0.0, in_flight=None, finished=None, started=0.0):
+    reg = Registration(run="r", rank=rank, local_rank=rank, node="n", world_size=3, local_world_size=3,
+                       pid=os.getpid(), pid_start_ticks=None, agent_pid=1, agent_start_ticks=None,
+                       started_at=started, finished_at=finished)
+    return RankView(reg=reg, alive=alive, heartbeat=heartbeat, last_step=last_step, in_flight=in_flight or {})
+
+
+def test_states_and_hang_suspect(tmp_path):
+    cfg = ExporterConfig(directory=tmp_path, stuck_after_s=30, frozen_after_s=10, suspect_after_s=10)
+    now = time.time()
+    waiting = [_view(r, heartbeat=now, last_step=now - 40, in_flight={"all_reduce": now - 38}) for r in (0, 1)]
+    culprit = _view(2, heartbeat=now, last_step=now - 40)
+    frozen = _view(3, heartbeat=now - 20, last_step=now - 1)
+    fine = _view(4, heartbeat=now, last_step=now - 1)
+    dead = _view(5, alive=False, last_step=now - 100)
+    done = _view(6, alive=False, finished=now, last_step=now - 5)
+    starting = _view(7, heartbeat=now, started=now - 2)
+    views = waiting + [culprit, frozen, fine, dead, done, starting]
+    derive_states(views, cfg, now)
+    assert [v.state for v in views] == ["stuck_in_collective", "stuck_in_collective", "stuck", "frozen",
+                                        "progressing", "dead", "finished", "starting"]
+    assert [v.rank for v in (x.reg for x in views if x.suspect)] == [2]
+
+
+def test_no_suspect_while_collectives_are_short(tmp_path):
+    cfg = ExporterConfig(directory=tmp_path)
+    now = time.time()
+    views = [_view(0, heartbeat=now, last_step=now - 1, in_flight={"all_reduce": now - 0.5}),
+             _view(1, heartbeat=now, last_step=now - 1)]
+    derive_states(views, cfg, now)
+    assert not any(v.suspect for v in views)
+
+
+# -- collective bookkeeping (the CUDA-event path, with events that behave like CUDA's) --
+
+
+class FakeEvent:
+    """Records a host time at record(); 'completes' once the test says so."""
+
+    def __init__(self):
+        self.t = None
+        self.done = False
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def query(self):
+        return self.done
+
+    def elapsed_time(self, end):
+        assert self.done and end.done, "elapsed_time on an unfinished event would synchronise"
+        return (end.t - self.t) * 1000.0
+
+
+def test_device_spans_are_read_lazily_in_order_and_events_reused():
+    created = []
+
+    def factory():
+        created.append(FakeEvent())
+        return created[-1]
+
+    tracker = CollectiveTracker(world_size=2, event_factory=factory)
+    a = tracker.begin_device("all_reduce", 1024, bucket=0)
+    tracker.end_device(a)
+    b = tracker.begin_device("all_reduce", 2048, bucket=1)
+    tracker.end_device(b)
+    assert set(tracker.in_flight()) == {"all_reduce"}
+    assert tracker.poll_device() == 0                      # nothing finished: nothing read, nothing waited for
+    b.start_event.done = b.end_event.done = True
+    assert tracker.poll_device() == 0                      # launch order: b waits behind a
+    a.start_event.done = a.end_event.done = True
+    assert tracker.poll_device() == 2
+    records = tracker.drain()
+    assert [(r.bucket, r.nbytes) for r in records] == [(0, 1024), (1, 2048)]
+    assert all(r.duration >= 0 for r in records) and tracker.in_flight() == {}
+    c = tracker.begin_device("broadcast", 8)               # events come back from the pool
+    assert len(created) == 4 and c.start_event in created
+
+
+def test_host_collectives_in_flight_and_bounded_buffer():
+    tracker = CollectiveTracker(world_size=2)
+    token, t0, start = tracker.begin("barrier")
+    assert tracker.in_flight()["barrier"] == start
+    tracker.end(token, "barrier", 0, t0, start)
+    assert tracker.in_flight() == {}
+    assert [r.op for r in tracker.drain()] == ["barrier"]
+    for _ in range(tracker.completed.maxlen + 10):
+        tracker.end(-1, "all_reduce", 4, time.perf_counter(), time.time())
+    assert tracker.dropped == 10
+    assert len(tracker.drain()) == tracker.completed.maxlen
