@@ -1,0 +1,188 @@
+"""Fixed per-step cost of the Monitor API, in one process, with a step that does nothing.
+
+    .venv/bin/python tests/benchmarks/api_cost.py           # 30,000 steps per configuration
+    .venv/bin/python tests/benchmarks/api_cost.py --quick   # 3,000 steps, smoke only
+
+Every step goes through the whole API a training loop uses: ``monitor.data``,
+``monitor.step``, three ``phase`` blocks and ``observe(loss, lr)``. Each
+configuration runs in its own fresh process (a process holds one Monitor):
+
+* ``tracing off``: no OTLP endpoint, tracing costs one boolean test;
+* ``tracing on``: a real OTLP/gRPC receiver (tests/helpers/otlp_receiver.py)
+  in the parent, ``RANKSCOPE_TRACE_EVERY=10`` so one step in ten is sampled;
+  sampled and unsampled steps are reported apart.
+
+The figure is the median time of a step through the API minus the median of
+the same loop without it (the timing harness: two ``perf_counter`` calls and
+a generator step). The background publisher and span threads run as they do
+in training, and the cyclic GC is on. Then cProfile shows where the training
+thread's time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import itertools
+import json
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, emit_json, loadavg, machine, percentile, table  # noqa: E402
+
+TARGET_UNSAMPLED_US = 25.0
+TARGET_SAMPLED_US = 150.0
+TRACE_EVERY = 10
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=30_000)
+    p.add_argument("--profile-steps", type=int, default=5_000)
+    p.add_argument("--quick", action="store_true", help="3,000 steps: a smoke run, not a measurement")
+    p.add_argument("--child", choices=["off", "on"], help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.profile_steps = min(args.steps, 3_000), 1_000
+    return args
+
+
+# -- child: one configuration ------------------------------------------------------------
+def child(args: argparse.Namespace) -> int:
+    from training.monitor import Monitor
+
+    monitor = Monitor(run=f"api-cost-{args.child}", exporter="off")
+    perf = time.perf_counter
+
+    def harness(n: int) -> list[float]:
+        """The loop below without the API: what timing itself costs."""
+        plain = itertools.repeat(1)
+        out = []
+        for _ in range(n):
+            t0 = perf()
+            next(plain)
+            out.append(perf() - t0)
+        return out
+
+    batches = monitor.data(itertools.repeat(1))
+
+    def api_steps(n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            t0 = perf()
+            next(batches)
+            with monitor.step(samples=1) as s:
+                with s.phase("forward"):
+                    pass
+                with s.phase("backward"):
+                    pass
+                with s.phase("optimizer"):
+                    pass
+                s.observe(loss=0.5, lr=0.1)
+            out.append(perf() - t0)
+        return out
+
+    warmup = 200
+    api_steps(warmup)
+    floor = harness(args.steps)
+    first = monitor._next_step
+    times = api_steps(args.steps)
+    sampled = [t for i, t in enumerate(times, start=first) if monitor.tracing.enabled and i % TRACE_EVERY == 0]
+    unsampled = [t for i, t in enumerate(times, start=first) if not (monitor.tracing.enabled and i % TRACE_EVERY == 0)]
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    api_steps(args.profile_steps)
+    profiler.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(profiler, stream=buf).sort_stats("tottime")
+    stats.print_stats(14)
+    total = sum(v[2] for v in stats.stats.values())  # tottime of every function
+    monitor.close()
+    result = {"tracing": monitor.tracing.enabled, "floor_us": _median_us(floor),
+              "unsampled": _summary(unsampled), "sampled": _summary(sampled) if sampled else None,
+              "profile": _trim_profile(buf.getvalue()), "profile_us_per_step": 1e6 * total / args.profile_steps}
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+def _median_us(values: list[float]) -> float:
+    return 1e6 * percentile(values, 50)
+
+
+def _summary(values: list[float]) -> dict:
+    return {"n": len(values), "p50_us": 1e6 * percentile(values, 50), "p90_us": 1e6 * percentile(values, 90),
+            "p99_us": 1e6 * percentile(values, 99)}
+
+
+def _trim_profile(text: str) -> str:
+    lines = text.strip().splitlines()
+    start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
+    return "\n".join(line.replace(str(REPO) + "/", "") for line in lines[start:])
+
+
+# -- parent ---------------------------------------------------------------------------------
+def run_child(args: argparse.Namespace, mode: str, endpoint: str | None) -> dict:
+    tmp = tempfile.mkdtemp(prefix="rankscope-api-cost-")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "RANKSCOPE_", "PROMETHEUS_"))}
+    env.update(RANKSCOPE_METRICS_DIR=tmp, PYTHONPATH=str(REPO))
+    if endpoint:
+        env.update(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+                   RANKSCOPE_TRACE_EVERY=str(TRACE_EVERY))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--steps", str(args.steps),
+           "--profile-steps", str(args.profile_steps)]
+    try:
+        out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    finally:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if out.returncode != 0 or line is None:
+        raise RuntimeError(f"child {mode} failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return child(args)
+    sys.path.insert(0, str(REPO))
+    from tests.helpers.otlp_receiver import OtlpReceiver
+
+    load_before = loadavg()
+    off = run_child(args, "off", None)
+    with OtlpReceiver() as receiver:
+        on = run_child(args, "on", receiver.endpoint)
+        spans = len(receiver.spans())
+    rows, figures = [], {}
+    for label, res, key, target in (("tracing off, every step", off, "unsampled", TARGET_UNSAMPLED_US),
+                                    ("tracing on, unsampled step", on, "unsampled", TARGET_UNSAMPLED_US),
+                                    ("tracing on, sampled step", on, "sampled", TARGET_SAMPLED_US)):
+        s = res[key]
+        cost = s["p50_us"] - res["floor_us"]
+        figures[label.replace(", ", "_").replace(" ", "_")] = {**s, "cost_us": cost, "target_us": target,
+                                                                "met": cost <= target}
+        rows.append([label, s["n"], f"{res['floor_us']:.2f}", f"{s['p50_us']:.1f}", f"{s['p90_us']:.1f}",
+                     f"{s['p99_us']:.1f}", f"{cost:.1f}", f"<= {target:.0f}", "met" if cost <= target else "MISSED"])
+    print(f"rankscope API fixed cost per step ({args.steps} steps per configuration, trivial step, GC on)")
+    print(table(["configuration", "steps", "harness us", "p50 us", "p90 us", "p99 us", "API cost us (p50 - harness)",
+                 "target", ""], rows))
+    print(f"\nspans received by the OTLP receiver: {spans}; load average {load_before} -> {loadavg()}")
+    for label, res in (("tracing off", off), ("tracing on (1 step in 10 sampled)", on)):
+        print(f"\ncProfile, training thread, {label}: {res['profile_us_per_step']:.1f} us/step under the profiler "
+              f"(inflated by it), top entries by own time:\n{res['profile']}")
+    figures.update(spans_received=spans, trace_every=TRACE_EVERY, steps=args.steps, machine=machine())
+    emit_json({"benchmark": "api_cost", **figures})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
