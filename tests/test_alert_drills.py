@@ -8,6 +8,10 @@ the run and the faulty rank; a healthy run of the same length must deliver
 nothing. The fault-to-page time of every drill is printed (even without -s)
 and recorded as a junit property.
 
+Fault time: the first exporter poll (every 0.25 s) that shows the faulty rank
+at the step just before the faulty one (for the slow rank: its first step);
+page time: arrival of the matching webhook POST.
+
 Drills run two at a time (the CI machine has 2 cores): a module fixture runs
 them all in a thread pool and each test checks its own result.
 """
@@ -171,7 +175,8 @@ def run_healthy_drill(rules_dir: Path) -> DrillResult:
         with Stack(rules_dir) as stack, \
                 TrainJob(nproc=NPROC, steps=STEPS, run_id=run_id, extra_args=["--step-delay", STEP_DELAY]) as job, \
                 stack.prometheus(job) as prom:
-            job.wait(timeout=START_TIMEOUT + 60)
+            returncode = job.wait(timeout=START_TIMEOUT + 60)
+            assert returncode == 0, f"the healthy job failed (rc {returncode}):\n{job.log()[-2000:]}"
             # Until Prometheus has scraped the finished ranks, then a few more
             # evaluations (1 s each) so end-of-run transitions are judged too.
             poll(lambda: len(prom.query(f'rankscope_rank_state{{run="{run_id}",state="finished"}} == 1')) == NPROC,
@@ -216,7 +221,9 @@ def drill_results(fast_rules, request) -> dict[str, DrillResult]:
         lines.append(f"  {d.name:<12} {outcome}")
     healthy = results["healthy"]
     lines.append(f"  {'healthy':<12} {len(healthy.deliveries)} deliveries, "
-                 f"{sum(a['state'] == 'firing' for a in healthy.prometheus_alerts)} firing alerts")
+                 f"{sum(a['state'] == 'firing' for a in healthy.prometheus_alerts)} firing alerts, "
+                 f"{sum(a['state'] == 'pending' for a in healthy.prometheus_alerts)} pending"
+                 + (f" (error: {healthy.error.strip().splitlines()[-1]})" if healthy.error else ""))
     lines.append(f"  total drill wall time {total:.0f} s ({PARALLEL_DRILLS} in parallel)")
     capmanager = request.config.pluginmanager.getplugin("capturemanager")
     with capmanager.global_and_fixture_disabled():  # print even without -s
