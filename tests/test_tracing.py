@@ -145,24 +145,30 @@ def run_measured(env: dict[str, str]) -> JobMeasure:
 
 
 def test_dead_collectors_neither_slow_nor_delay_the_job():
-    """Closed port and black hole, each against the same job with tracing off
-    (run in between them, so that drift of the shared machine hits both)."""
-    jobs: dict[str, JobMeasure] = {}
-    jobs["closed_port"] = run_measured({"OTEL_EXPORTER_OTLP_ENDPOINT": closed_port_endpoint(),
-                                        "RANKSCOPE_TRACE_EVERY": "5"})
-    jobs["tracing_off"] = run_measured({})
-    with BlackHole() as hole:
-        jobs["black_hole"] = run_measured({"OTEL_EXPORTER_OTLP_ENDPOINT": hole.endpoint,
-                                           "RANKSCOPE_TRACE_EVERY": "5"})
-        assert hole.connections >= 1, "the exporter never connected to the black hole"
+    """Closed port and black hole against the same job with tracing off.
 
+    The machine is shared, so its load drifts: the job with tracing off runs
+    first and last, and its interval means are pooled, so that a linear
+    drift hits the baseline as much as the two traced jobs between.
+    """
+    traced = {"RANKSCOPE_TRACE_EVERY": "5"}
+    jobs: dict[str, JobMeasure] = {}
+    jobs["tracing_off_before"] = run_measured({})
+    jobs["closed_port"] = run_measured({**traced, "OTEL_EXPORTER_OTLP_ENDPOINT": closed_port_endpoint()})
+    with BlackHole() as hole:
+        jobs["black_hole"] = run_measured({**traced, "OTEL_EXPORTER_OTLP_ENDPOINT": hole.endpoint})
+        assert hole.connections >= 1, "the exporter never connected to the black hole"
+    jobs["tracing_off_after"] = run_measured({})
+
+    # (median step ms, exit delay after the last step s, dropped spans) per job
     report = {name: (round(m.median_step * 1e3, 2), round(m.exited_at - m.last_step_ts, 2), m.dropped)
-              for name, m in jobs.items()}   # (median ms, exit delay s, dropped spans)
-    baseline = jobs["tracing_off"]
-    assert baseline.dropped == 0, report
+              for name, m in jobs.items()}
+    baseline = statistics.median(jobs["tracing_off_before"].interval_means + jobs["tracing_off_after"].interval_means)
     for name, m in jobs.items():
         assert m.exited_at - m.last_step_ts < 5.0, f"{name}: exited too late after its last step: {report}"
-        if name == "tracing_off":
+        if name.startswith("tracing_off"):
+            assert m.dropped == 0, report
             continue
         assert m.dropped > 0, f"{name}: spans sent to a dead collector must be counted as dropped: {report}"
-        assert m.median_step < 1.05 * baseline.median_step, f"{name}: median step time >5% slower: {report}"
+        assert m.median_step < 1.05 * baseline, \
+            f"{name}: median step time >5% above {baseline * 1e3:.2f} ms (tracing off): {report}"
