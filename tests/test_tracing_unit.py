@@ -238,15 +238,18 @@ def test_dead_collector_counts_every_span_and_never_blocks(dead):
     try:
         tracing = tracing_for(endpoint)
         submitted = 0
-        worst = 0.0
+        took: list[float] = []
         for step in range(400):
             rec = record(step)
             t0 = time.perf_counter()
             tracing.submit(rec)
-            worst = max(worst, time.perf_counter() - t0)
+            took.append(time.perf_counter() - t0)
             submitted += count_spans(rec)
-        # submit() only enqueues: even the slowest call is far below a step.
-        assert worst < 0.05, f"slowest submit took {worst * 1e3:.1f} ms"
+        # submit() only enqueues. Waiting on the collector would take the export
+        # timeout (1 s); the bounds leave room for a loaded, shared machine.
+        took.sort()
+        assert took[len(took) // 2] < 0.001, f"median submit took {took[len(took) // 2] * 1e3:.2f} ms"
+        assert took[-1] < 0.25, f"slowest submit took {took[-1] * 1e3:.1f} ms"
         # failures are counted while the job runs, not only at exit
         deadline = time.monotonic() + 10
         while tracing.dropped() == 0 and time.monotonic() < deadline:
@@ -254,8 +257,8 @@ def test_dead_collector_counts_every_span_and_never_blocks(dead):
         assert tracing.dropped() > 0
         t0 = time.monotonic()
         tracing.shutdown(1.0)
-        took = time.monotonic() - t0
-        assert took < 1.2, f"shutdown(1.0) took {took:.2f}s"
+        waited = time.monotonic() - t0
+        assert waited < 1.0 + 0.3, f"shutdown(1.0) took {waited:.2f}s"  # + thread scheduling slack
         # nothing arrived anywhere, so every span is accounted as dropped or failed
         assert tracing.dropped() == submitted
         if hole:
@@ -314,4 +317,5 @@ def test_interpreter_exit_is_not_delayed_by_a_black_hole(how):
         exited = time.time()
     assert proc.returncode == 0, proc.stderr
     last = float(proc.stdout.split("last-line")[1])
-    assert exited - last < 2.5, f"exit took {exited - last:.1f}s after the last line"
+    # The SDK's handler would take 30 s; 5 s leaves room for a loaded machine.
+    assert exited - last < 5.0, f"exit took {exited - last:.1f}s after the last line"
