@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import time
 import urllib.parse
@@ -39,6 +40,7 @@ DASHBOARDS = {p.stem: json.loads(p.read_text()) for p in sorted((ROOT / "grafana
 RULE_FILES = sorted((ROOT / "prometheus" / "rules").glob("*.yml"))
 
 MAIN_RUN = "dashboards-main"
+HANG_AT = 160  # step before whose collective MAIN_RUN's rank 1 hangs
 OOM_RUN = "dashboards-oom"
 SCRAPE_INTERVAL_S = 1
 # Grafana's $__rate_interval is max($__interval + scrape interval, 4 x scrape interval).
@@ -172,8 +174,12 @@ class QueryRunner:
         if target.instant:
             data = self.prom.api("query", query=expr, time=str(self.end))
         else:
-            data = self.prom.api("query_range", query=expr, start=str(self.start), end=str(self.end),
-                                 step=str(SCRAPE_INTERVAL_S))
+            # The last point of the range is exactly `end`, so it sees everything the
+            # fixture saw before it took `end` (a grid aligned on `start` may stop up
+            # to one step earlier).
+            steps = math.ceil((self.end - self.start) / SCRAPE_INTERVAL_S)
+            data = self.prom.api("query_range", query=expr, start=str(self.end - steps * SCRAPE_INTERVAL_S),
+                                 end=str(self.end), step=str(SCRAPE_INTERVAL_S))
         return data["result"]
 
 
@@ -195,7 +201,7 @@ def runner():
         main = stack.enter_context(TrainJob(
             nproc=2, steps=2000, env=FAST_EXPORTER_ENV, run_id=MAIN_RUN,
             extra_args=["--slow-rank-delay", "0.05", "--loss-spike-at", "40",
-                        "--nan-loss-at", "80", "--hang-at", "160"]))
+                        "--nan-loss-at", "80", "--hang-at", str(HANG_AT)]))
         oom = stack.enter_context(TrainJob(
             nproc=2, steps=2000, env=FAST_EXPORTER_ENV, run_id=OOM_RUN,
             extra_args=["--step-delay", "0.05", "--oom-at", "80"]))
@@ -204,13 +210,17 @@ def runner():
                                                     rule_files=RULE_FILES,
                                                     scrape_interval=f"{SCRAPE_INTERVAL_S}s",
                                                     evaluation_interval=f"{SCRAPE_INTERVAL_S}s"))
+        # Start-up can look like a hang for a moment (rank 0 waits in DDP's
+        # initial broadcast while rank 1 is still importing), so every hang
+        # condition is tied to a step past the injected faults.
+        past = f'on (run) (min by (run) (rankscope_step{{run="{MAIN_RUN}"}}) >= {HANG_AT - 10})'
         faults = [
-            f'rankscope_hang_suspect{{run="{MAIN_RUN}"}} == 1',
-            f'rankscope_rank_state{{run="{MAIN_RUN}", state="stuck_in_collective"}} == 1',
-            f'rankscope_collective_in_flight_seconds{{run="{MAIN_RUN}"}} > 0',
+            f'rankscope_hang_suspect{{run="{MAIN_RUN}", rank="1"}} == 1 and {past}',
+            f'rankscope_rank_state{{run="{MAIN_RUN}", rank="0", state="stuck_in_collective"}} == 1 and {past}',
+            f'rankscope_collective_in_flight_seconds{{run="{MAIN_RUN}", rank="0"}} > 0 and {past}',
             f'ALERTS{{run="{MAIN_RUN}", alertname="RankscopeNonFiniteLoss"}}',
-            f'rankscope_oom_total{{run="{OOM_RUN}"}} > 0',
-            f'rankscope_rank_up{{run="{OOM_RUN}"}} == 0',
+            f'rankscope_rank_up{{run="{OOM_RUN}", rank="1"}} == 0'
+            f' and on (run, rank) rankscope_oom_total{{run="{OOM_RUN}"}} > 0',
         ]
         for expr in faults:
             prom.wait_for(lambda e=expr: _query_ok(prom, e), timeout=120, what=expr)
