@@ -58,6 +58,8 @@ class MonitorConfig:
     """hook: time every DDP bucket through a comm hook; off: no hook."""
     memory_every_s: float = 2.0
     """How often device and host memory are sampled (background thread)."""
+    flight_recorder_after_s: float = 60.0
+    """NCCL: dump torch's flight recorder once a collective has been in flight this long."""
 
     def __post_init__(self) -> None:
         if self.run is not None and not _valid_label_value(self.run):
@@ -68,7 +70,8 @@ class MonitorConfig:
             raise ConfigError(f"comm_timing: {self.comm_timing!r} is not one of {', '.join(COMM_TIMING_MODES)}")
         if not (0 < self.metrics_port < 65536):
             raise ConfigError(f"metrics_port: {self.metrics_port} is not a TCP port (1-65535)")
-        for name in ("publish_interval_s", "memory_every_s", "loss_ema_alpha", "spike_zscore", "grad_spike_factor"):
+        for name in ("publish_interval_s", "memory_every_s", "loss_ema_alpha", "spike_zscore", "grad_spike_factor",
+                     "flight_recorder_after_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)!r}")
         if not self.loss_ema_alpha <= 1:

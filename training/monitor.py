@@ -190,6 +190,7 @@ class Monitor:
         self._last_memory = 0.0
         self._mem_counters = (0.0, 0.0)
         self._write_rank_info(backend)
+        self._flight_recorder_dumped = 0.0   # start of the collective last dumped for
         self.metrics.start_ts.set(self.registration.started_at)
         self.metrics.mem_total.set(self.memory.total)
         self.metrics.mem_limit.set(self.memory.host_limit)
@@ -558,6 +559,8 @@ class Monitor:
         for op, n in nbytes.items():
             m.coll_bytes[op].inc(n)
         in_flight = tracker.in_flight()
+        if in_flight and self.registration.info.get("backend") == "nccl":
+            self._maybe_dump_flight_recorder(min(in_flight.values()))
         for op in set(in_flight) | set(self._in_flight_published):
             since = in_flight.get(op, 0.0)
             if self._in_flight_published.get(op) != since:
@@ -567,6 +570,20 @@ class Monitor:
                     self._in_flight_published[op] = since
                 else:
                     self._in_flight_published.pop(op, None)
+
+    def _maybe_dump_flight_recorder(self, oldest_start: float) -> None:
+        """Leave torch's NCCL flight recorder where the runbook says to look,
+        once per stuck collective: <run dir>/flight-recorder/nccl_trace_rank_<rank>.
+        Needs TORCH_NCCL_TRACE_BUFFER_SIZE > 0 (the recorder is off otherwise)."""
+        if time.time() - oldest_start < self.config.flight_recorder_after_s:
+            return
+        if self._flight_recorder_dumped == oldest_start:
+            return
+        self._flight_recorder_dumped = oldest_start
+        path = dump_flight_recorder(self.run_dir / "flight-recorder", self.identity.rank)
+        if path is not None:
+            log.warning("rankscope: collective in flight for over %.0f s; NCCL flight recorder dumped to %s",
+                        self.config.flight_recorder_after_s, path)
 
     def _publish_memory(self) -> None:
         m = self.metrics
@@ -651,6 +668,21 @@ class UserMetric:
             self._child(labels).observe(float(value))
         except Exception:
             self._monitor._error("user")
+
+
+def dump_flight_recorder(directory, rank: int):
+    """Write torch's NCCL flight recorder (a pickle, as torchfrtrace reads it); None where unavailable."""
+    import torch
+
+    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+    if dump is None or int(os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0") or 0) <= 0:
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"nccl_trace_rank_{rank}"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(dump(True, True, False))
+    os.replace(tmp, path)
+    return path
 
 
 def _is_oom(exc: BaseException) -> bool:
