@@ -41,6 +41,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
@@ -97,20 +98,18 @@ class Tracing:
 
 # -- configuration -------------------------------------------------------------
 
+@dataclass(frozen=True)
 class TracingConfig:
     """What ``build_tracing`` read from the environment (validated)."""
 
-    def __init__(self, endpoint: str, protocol: str, every: int, export_timeout_s: float,
-                 bsp_queue: int, headers: dict[str, str] | None = None,
-                 schedule_delay_ms: int = DEFAULT_BSP_SCHEDULE_DELAY_MS, batch_size: int = 512):
-        self.headers = headers
-        self.batch_size = batch_size
-        self.schedule_delay_ms = schedule_delay_ms
-        self.endpoint = endpoint
-        self.protocol = protocol
-        self.every = every
-        self.export_timeout_s = export_timeout_s
-        self.bsp_queue = bsp_queue
+    endpoint: str
+    protocol: str                  # "grpc" or "http/protobuf"
+    every: int                     # trace steps 0, every, 2*every, ...
+    export_timeout_s: float
+    bsp_queue: int                 # spans the batch processor may hold
+    headers: dict[str, str] | None = None
+    schedule_delay_ms: int = DEFAULT_BSP_SCHEDULE_DELAY_MS
+    batch_size: int = 512
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "TracingConfig | None":
