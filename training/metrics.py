@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, valu
 from training import catalog
 from training.catalog import MetricSpec
 from training.config import ConfigError
+from training.mmapfile import ReservedMmapedDict
 
 _value_classes: dict[Path, type] = {}
 _lock = threading.RLock()  # re-entrant: children may be created while creating others
@@ -43,12 +44,14 @@ def mmap_values(directory: Path) -> Iterator[None]:
             # again after a fork), so it must stay set for the process.
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
             value_class = _value_classes[directory] = values.MultiProcessValue()
-        saved = values.ValueClass
-        values.ValueClass = value_class
+        # Files opened (and grown) here reserve their space first: on a full
+        # tmpfs a sparse mmap page would otherwise kill the rank with SIGBUS.
+        saved = values.ValueClass, values.MmapedDict
+        values.ValueClass, values.MmapedDict = value_class, ReservedMmapedDict
         try:
             yield
         finally:
-            values.ValueClass = saved
+            values.ValueClass, values.MmapedDict = saved
 
 
 def build_metric(spec: MetricSpec, registry: CollectorRegistry, extra_labels: tuple[str, ...] = ()):
