@@ -237,3 +237,45 @@ def test_host_collectives_in_flight_and_bounded_buffer():
         tracker.end(-1, "all_reduce", 4, time.perf_counter(), time.time())
     assert tracker.dropped == 10
     assert len(tracker.drain()) == tracker.completed.maxlen
+
+
+def test_cuda_phases_come_from_events_read_later(tmp_path, monkeypatch):
+    """The CUDA path of a step, with events that complete when the test says so."""
+    from training.collectives import EventPool
+    from training.monitor import Monitor
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monitor = Monitor(exporter="off", metrics_dir=tmp_path, run="cuda-path", backend="nccl", publish_interval_s=60)
+    try:
+        events: list[FakeEvent] = []
+
+        def factory():
+            events.append(FakeEvent())
+            return events[-1]
+
+        monitor.tracker._events = monitor._step.events = EventPool(factory)
+        with monitor.step(samples=4) as step:
+            with step.phase("forward"):
+                time.sleep(0.01)
+            with step.phase("backward"):
+                bucket = monitor.tracker.begin_device("all_reduce", 4096, bucket=0)
+                monitor.tracker.last_device_bucket = bucket
+                time.sleep(0.02)
+                monitor.tracker.end_device(bucket)
+        monitor._publish()
+        phase = monitor.metrics.phase
+        assert phase["forward"]._value.get() == 0                 # nothing read before the GPU is done
+        assert len(monitor._pending_device_steps) == 1
+        for e in events:
+            e.done = True
+        monitor._publish()
+        assert not monitor._pending_device_steps
+        forward, backward, comm = (phase[p]._value.get() for p in ("forward", "backward", "comm_wait"))
+        assert forward >= 0.01
+        assert comm == pytest.approx(bucket.duration) and comm >= 0.02   # last bucket: the exposed wait
+        assert backward >= 0 and backward + comm >= 0.02
+        step_seconds = monitor.metrics.step_duration._sum.get()
+        assert sum(p._value.get() for p in phase.values()) == pytest.approx(step_seconds, rel=1e-6)
+    finally:
+        monitor.close()

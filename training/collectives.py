@@ -44,7 +44,7 @@ class CollectiveRecord:
 class _DeviceSpan:
     """A CUDA event pair still waiting to be read."""
 
-    __slots__ = ("token", "op", "nbytes", "start_unix", "bucket", "start_event", "end_event")
+    __slots__ = ("token", "op", "nbytes", "start_unix", "bucket", "start_event", "end_event", "duration")
 
     def __init__(self, token, op, nbytes, start_unix, bucket, start_event, end_event):
         self.token = token
@@ -54,6 +54,7 @@ class _DeviceSpan:
         self.bucket = bucket
         self.start_event = start_event
         self.end_event = end_event
+        self.duration: float | None = None   # seconds, once read
 
 
 class EventPool:
@@ -93,6 +94,7 @@ class CollectiveTracker:
         # Timing of the current step's DDP buckets (for the exposed wait).
         self.last_bucket_launch = 0.0   # perf_counter of the latest bucket launch
         self.last_bucket_done = 0.0     # perf_counter of the latest bucket completion
+        self.last_device_bucket: _DeviceSpan | None = None   # CUDA: the latest bucket launched
 
     # -- host (wall clock) ------------------------------------------------
     def begin(self, op: str) -> tuple[int, float, float]:
@@ -128,9 +130,9 @@ class CollectiveTracker:
         with self._drain_lock:
             while self._device and self._device[0].end_event.query():
                 span = self._device.popleft()
-                ms = span.start_event.elapsed_time(span.end_event)
+                span.duration = span.start_event.elapsed_time(span.end_event) / 1000.0
                 self._in_flight.pop(span.token, None)
-                self._record(CollectiveRecord(span.op, span.nbytes, span.start_unix, ms / 1000.0, span.bucket))
+                self._record(CollectiveRecord(span.op, span.nbytes, span.start_unix, span.duration, span.bucket))
                 self._events.put(span.start_event)
                 self._events.put(span.end_event)
                 done += 1
@@ -200,6 +202,7 @@ def ddp_timing_hook(tracker: CollectiveTracker, on_error: Callable[[], None]):
         tracker.last_bucket_launch = time.perf_counter()
         if buf.is_cuda:
             span = tracker.begin_device("all_reduce", nbytes, index)
+            tracker.last_device_bucket = span
             fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
 
             def done(f):

@@ -33,17 +33,18 @@ def mmap_values(directory: Path) -> Iterator[None]:
     """Create prometheus_client values as mmap files in ``directory``."""
     with _lock:
         value_class = _value_classes.get(directory)
+        previous = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if value_class is None:
-            previous = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-            if previous and Path(previous).resolve() != directory.resolve():
+            ours = {str(d) for d in _value_classes}
+            if previous and previous not in ours and Path(previous).resolve() != directory.resolve():
                 raise ConfigError(
                     f"PROMETHEUS_MULTIPROC_DIR={previous} is set to another directory; rankscope writes to "
                     f"{directory}. Unset it, or set RANKSCOPE_METRICS_DIR to the same directory."
                 )
-            # The value class reads this variable when it opens a file (and
-            # again after a fork), so it must stay set for the process.
-            os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
             value_class = _value_classes[directory] = values.MultiProcessValue()
+        # The value class reads this variable when it opens a file (and again
+        # after a fork), so it stays set, to the directory last used.
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
         # Files opened (and grown) here reserve their space first: on a full
         # tmpfs a sparse mmap page would otherwise kill the rank with SIGBUS.
         saved = values.ValueClass, values.MmapedDict

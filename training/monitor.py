@@ -32,6 +32,7 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
 
 from training import catalog
@@ -81,22 +82,47 @@ class _Accumulator:
 
 
 class _Phase:
-    """Reusable timer for one phase of the current step (no allocation per use)."""
+    """Reusable timer for one phase of the current step (no allocation per use).
 
-    __slots__ = ("name", "step", "t0")
+    On a CUDA device it also records an event pair on the current stream: the
+    host returns from forward long before the GPU finishes it, so device
+    phases are measured by events and read later by the publisher."""
+
+    __slots__ = ("name", "step", "t0", "event")
 
     def __init__(self, name: str, step: "Step"):
         self.name = name
         self.step = step
         self.t0 = 0.0
+        self.event = None
 
     def __enter__(self) -> "_Phase":
+        events = self.step.events
+        if events is not None:
+            self.event = events.get()
+            self.event.record()
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         t1 = time.perf_counter()
-        self.step._phase_done(self.name, self.t0, t1)
+        step = self.step
+        if step.events is not None and self.event is not None:
+            end = step.events.get()
+            end.record()
+            step.device_phases.append((self.name, self.event, end))
+            self.event = None
+        step._phase_done(self.name, self.t0, t1)
+
+
+@dataclass(slots=True)
+class _DeviceStep:
+    """A CUDA step whose phase events are not read yet."""
+
+    duration: float                      # host wall clock, data wait included
+    data: float
+    phases: list[tuple[str, Any, Any]]   # (name, start event, end event)
+    last_bucket: Any                     # the step's last-launched bucket (its duration is the exposed wait)
 
 
 class Step:
@@ -104,6 +130,8 @@ class Step:
 
     def __init__(self, monitor: "Monitor"):
         self.monitor = monitor
+        self.events = monitor.tracker._events   # None unless the device is CUDA
+        self.device_phases: list[tuple[str, Any, Any]] = []
         self._phases = {name: _Phase(name, self) for name in catalog.PHASES}
         self.number = -1
         self.t0 = 0.0
@@ -183,6 +211,7 @@ class Monitor:
         self._data_wait = 0.0
         self._data_start = 0.0
         self._pending_device_values: deque[tuple[str, Any, Any]] = deque(maxlen=1024)
+        self._pending_device_steps: deque[_DeviceStep] = deque(maxlen=1024)
         self._median_step = 0.0
         self._closed = False
         self._in_flight_published: dict[str, float] = {}
@@ -288,6 +317,8 @@ class Monitor:
         for k in s.phase_seconds:
             s.phase_seconds[k] = 0.0
         s.phase_log.clear()
+        if s.device_phases:
+            s.device_phases = []
         s.loss = s.grad_norm = s.lr = None
         s.backward_end = s.backward_start = 0.0
         if self._data_start:
@@ -299,6 +330,7 @@ class Monitor:
             s.t0 = now
         s.start_unix = time.time() - (now - s.t0)
         self.tracker.last_bucket_launch = 0.0
+        self.tracker.last_device_bucket = None
         return s
 
     def _end_step(self, s: Step, exc: BaseException | None) -> None:
@@ -314,14 +346,21 @@ class Monitor:
                 return
             duration = t1 - s.t0
             phases = s.phase_seconds
-            # Exposed communication: after the last bucket was launched, backward
-            # had no compute left and only waited for the all-reduces to finish.
-            launch = self.tracker.last_bucket_launch
-            if s.backward_end and s.backward_start <= launch <= s.backward_end:
-                exposed = s.backward_end - launch
-                phases["backward"] -= exposed
-                phases["comm_wait"] += exposed
-            phases["other"] += max(duration - sum(phases.values()), 0.0)
+            if s.events is not None:
+                # CUDA: only the data wait is a host time; the rest comes from events.
+                self._pending_device_steps.append(_DeviceStep(duration, phases["data"], s.device_phases,
+                                                              self.tracker.last_device_bucket))
+                phases = dict.fromkeys(catalog.PHASES, 0.0)
+                phases["data"] = s.phase_seconds["data"]
+            else:
+                # Exposed communication: after the last bucket was launched, backward
+                # had no compute left and only waited for the all-reduces to finish.
+                launch = self.tracker.last_bucket_launch
+                if s.backward_end and s.backward_start <= launch <= s.backward_end:
+                    exposed = s.backward_end - launch
+                    phases["backward"] -= exposed
+                    phases["comm_wait"] += exposed
+                phases["other"] += max(duration - sum(phases.values()), 0.0)
             anomaly = ""
             loss = self._read_now("loss", s.loss)
             grad = self._read_now("grad", s.grad_norm)
@@ -476,7 +515,10 @@ class Monitor:
         try:
             now = time.time()
             m.heartbeat.set(now)
+            if self.tracker._events is not None:
+                self.tracker.poll_device()   # first: device steps need their buckets' durations
             self._resolve_device_values()
+            self._resolve_device_steps()
             with self._lock:
                 acc, self._acc = self._acc, _Accumulator()
             if acc.steps:
@@ -486,13 +528,13 @@ class Monitor:
                 m.step_last.set(acc.last_duration)
                 m.step_ts.set(acc.last_end)
                 m.step.set(acc.last_step)
-                for k, v in acc.phase.items():
-                    if v:
-                        m.phase[k].inc(v)
                 if acc.samples:
                     m.samples.inc(acc.samples)
                 if acc.tokens:
                     m.tokens.inc(acc.tokens)
+            for k, v in acc.phase.items():  # CUDA steps' phases arrive after their step
+                if v:
+                    m.phase[k].inc(v)
             if acc.ooms:
                 m.ooms.inc(acc.ooms)
             self._publish_loss(acc)
@@ -543,11 +585,35 @@ class Monitor:
                 else:
                     self._judge_grad(value, self._acc)
 
+    def _resolve_device_steps(self) -> None:
+        """Turn finished CUDA steps' events into phase seconds (never waits)."""
+        pending = self._pending_device_steps
+        pool = self.tracker._events
+        while pending:
+            step = pending[0]
+            if not all(end.query() for _, _, end in step.phases):
+                return
+            if step.last_bucket is not None and step.last_bucket.duration is None:
+                return   # its all-reduce is still being read by poll_device
+            pending.popleft()
+            device = dict.fromkeys(catalog.PHASES, 0.0)
+            for name, start, end in step.phases:
+                device[name] += start.elapsed_time(end) / 1000.0
+                pool.put(start)
+                pool.put(end)
+            if step.last_bucket is not None:
+                exposed = min(step.last_bucket.duration, device["backward"])
+                device["backward"] -= exposed
+                device["comm_wait"] += exposed
+            device["data"] = 0.0  # already counted from the host clock
+            device["other"] += max(step.duration - step.data - sum(device.values()), 0.0)
+            with self._lock:
+                for k, v in device.items():
+                    self._acc.phase[k] += v
+
     def _publish_collectives(self) -> None:
         m = self.metrics
         tracker = self.tracker
-        if tracker._events is not None:
-            tracker.poll_device()
         last: dict[str, float] = {}
         nbytes: dict[str, int] = {}
         for rec in tracker.drain():
