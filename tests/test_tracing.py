@@ -132,7 +132,8 @@ class JobMeasure:
 
 def run_measured(env: dict[str, str]) -> JobMeasure:
     m = JobMeasure()
-    with TrainJob(nproc=2, steps=DEAD_STEPS, env=env) as job:
+    # --workers 0: no data-loader processes competing for the 2 cores (less timing noise).
+    with TrainJob(nproc=2, steps=DEAD_STEPS, env=env, extra_args=["--workers", "0"]) as job:
         job.wait_for(lambda samples: samples, timeout=60, what="the node exporter")
         deadline = time.monotonic() + 120
         while m.observe(job.scrape()) < DEAD_STEPS:
@@ -165,10 +166,13 @@ def test_dead_collectors_neither_slow_nor_delay_the_job():
               for name, m in jobs.items()}
     baseline = statistics.median(jobs["tracing_off_before"].interval_means + jobs["tracing_off_after"].interval_means)
     for name, m in jobs.items():
-        assert m.exited_at - m.last_step_ts < 5.0, f"{name}: exited too late after its last step: {report}"
         if name.startswith("tracing_off"):
             assert m.dropped == 0, report
+            # Not the property under test, but if the job without tracing cannot end
+            # within 5 s (torch's own teardown on an overloaded machine), say so.
+            assert m.exited_at - m.last_step_ts < 5.0, f"even with tracing off the job exited late: {report}"
             continue
+        assert m.exited_at - m.last_step_ts < 5.0, f"{name}: exited too late after its last step: {report}"
         assert m.dropped > 0, f"{name}: spans sent to a dead collector must be counted as dropped: {report}"
         assert m.median_step < 1.05 * baseline, \
             f"{name}: median step time >5% above {baseline * 1e3:.2f} ms (tracing off): {report}"
