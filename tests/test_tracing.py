@@ -164,6 +164,7 @@ def test_dead_collectors_neither_slow_nor_delay_the_job():
     # (median step ms, exit delay after the last step s, dropped spans) per job
     report = {name: (round(m.median_step * 1e3, 2), round(m.exited_at - m.last_step_ts, 2), m.dropped)
               for name, m in jobs.items()}
+    print(f"dead collectors, (median step ms, exit delay s, dropped spans): {report}")
     baseline = statistics.median(jobs["tracing_off_before"].interval_means + jobs["tracing_off_after"].interval_means)
     for name, m in jobs.items():
         if name.startswith("tracing_off"):

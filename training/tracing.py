@@ -371,7 +371,11 @@ class OtlpTracing(Tracing):
         self._worker.join(timeout=max(0.0, (deadline - time.monotonic()) * 0.5))
         closer = threading.Thread(target=self._close_sdk, name="rankscope-spans-shutdown", daemon=True)
         closer.start()
-        closer.join(timeout=max(0.0, deadline - time.monotonic()))
+        # A collector that failed the last export is down: do not wait for an
+        # export still in flight to it (a black hole holds it for the whole
+        # export timeout); its spans are counted as dropped below.
+        wait = deadline - time.monotonic() if self.exporter.last_ok else min(0.1, deadline - time.monotonic())
+        closer.join(timeout=max(0.0, wait))
         self._shut = True   # from now on, spans still queued count as dropped
         while True:
             try:
