@@ -173,6 +173,11 @@ def _users(users: Any) -> dict[str, bytes]:
         return {}
     if not isinstance(users, dict):
         raise ExporterConfigError(f"{OPT}: basic_auth_users must map user names to bcrypt hashes")
+    if users:
+        try:
+            import bcrypt  # noqa: F401  (checked now, not at the first scrape)
+        except ImportError:
+            raise ExporterConfigError(f"{OPT}: basic_auth_users needs the bcrypt package (pip install bcrypt)") from None
     out = {}
     for user, hashed in users.items():
         if not isinstance(hashed, str) or not hashed.startswith(("$2a$", "$2b$", "$2y$")) or len(hashed) != 60:
