@@ -190,19 +190,23 @@ class Monitor:
         self.identity = RankIdentity.from_env(self.config.run)
         self.device = device
         self.run_dir = self.config.metrics_dir / run_slug(self.identity.run)
+        self._logged_errors: set[str] = set()
+        # Everything that can reject the configuration runs before anything is started.
+        self.tracing: Tracing = build_tracing(self.identity, lambda: self._error("tracing"))
         self._prepare_run_dir()
+        try:
+            self.metrics = RankMetrics(self.run_dir, self.identity.labels)
+        except OSError as e:
+            raise ConfigError(f"metrics_dir: cannot create metric files in {self.run_dir}: {e.strerror or e}") from None
         if self.config.exporter != "off" and self.identity.local_rank == 0:
             from training.launch import ensure_exporter
 
             ensure_exporter(self.config)
-        self.metrics = RankMetrics(self.run_dir, self.identity.labels)
-        self._logged_errors: set[str] = set()
         self.tracker = CollectiveTracker(self.identity.world_size, _cuda_event_factory(device))
         self.loss_tracker = LossTracker(self.config.loss_window, self.config.loss_ema_alpha,
                                         self.config.spike_zscore, self.config.spike_warmup_steps)
         self.grad_tracker = GradNormTracker(self.config.grad_spike_factor)
         self.memory = MemorySampler(device)
-        self.tracing: Tracing = build_tracing(self.identity, lambda: self._error("tracing"))
         self._lock = threading.Lock()
         self._acc = _Accumulator()
         self._dropped_steps = 0
