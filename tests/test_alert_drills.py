@@ -8,9 +8,11 @@ the run and the faulty rank; a healthy run of the same length must deliver
 nothing. The fault-to-page time of every drill is printed (even without -s)
 and recorded as a junit property.
 
-Fault time: the first exporter poll (every 0.25 s) that shows the faulty rank
-at the step just before the faulty one (for the slow rank: its first step);
-page time: arrival of the matching webhook POST.
+Prometheus starts once the job's exporter answers and the fault must come after
+its first scrape. Fault time: the first exporter poll (every 0.25 s) after that
+which shows the faulty rank at the step just before the faulty one (for the
+slow rank, slow from its first step: the first poll once it has stepped and
+Prometheus scrapes); page time: arrival of the matching webhook POST.
 
 Drills run two at a time (the CI machine has 2 cores): a module fixture runs
 them all in a thread pool and each test checks its own result.
@@ -43,7 +45,7 @@ NPROC = 2
 FAULT_RANK = "1"          # the trainer's default fault rank: the last one
 STEPS = 400
 STEP_DELAY = "0.05"       # seconds per step on every rank: ~20 steps/s, a steady, cheap run
-FAULT_STEP = 100          # ~5 s into training: after Prometheus's first scrape (~5 s after its start)
+FAULT_STEP = 200          # >= 10 s into training: after Prometheus's first scrape (~5 s after its start)
 PAGE_TIMEOUT = 60.0       # fault to delivery, upper bound
 START_TIMEOUT = 180.0     # job start to the fault step: torch start-up is slow on a loaded 2-core machine
 PARALLEL_DRILLS = 2
@@ -100,11 +102,13 @@ def _rank_sample(samples, name: str, rank: str) -> float | None:
 
 
 def _fault_reached(drill: Drill) -> Callable:
-    """Predicate on exporter samples: the faulty rank completed the step before the fault
-    (or, for a fault acting from the start, its first step)."""
+    """Predicate on exporter samples: the faulty rank completed the step before the fault,
+    or its process is gone (a rank publishes its step every publish interval, so a SIGKILL
+    can hide the last few steps). For a fault acting from the start: its first step."""
     if drill.fault_step is None:
         return lambda samples: (_rank_sample(samples, "rankscope_steps_total", FAULT_RANK) or 0) >= 1
-    return lambda samples: (_rank_sample(samples, "rankscope_step", FAULT_RANK) or -1) >= drill.fault_step - 1
+    return lambda samples: ((_rank_sample(samples, "rankscope_step", FAULT_RANK) or -1) >= drill.fault_step - 1
+                            or _rank_sample(samples, "rankscope_rank_up", FAULT_RANK) == 0)
 
 
 class Stack:
@@ -131,32 +135,54 @@ class Stack:
         self.hook.__exit__(*exc)
 
 
+def _watched_job(stack: Stack, job) -> PrometheusServer:
+    """Start Prometheus once the node exporter answers (so no target-down in between) and
+    return it after its first successful scrape."""
+    try:
+        job.wait_for(lambda samples: True, timeout=START_TIMEOUT, what="the node exporter to answer")
+    except TimeoutError:
+        raise TimeoutError(f"no exporter; job log:\n{job.log()[-2000:]}") from None
+    prom = stack.prometheus(job).__enter__()
+    try:
+        prom.wait_for_scrape(timeout=30)
+    except BaseException:
+        prom.__exit__(None, None, None)
+        raise
+    return prom
+
+
 def run_fault_drill(drill: Drill, rules_dir: Path) -> DrillResult:
     run_id = f"drill-{drill.name}"
     result = DrillResult(drill.name, run_id)
     try:
         with Stack(rules_dir) as stack, \
                 TrainJob(nproc=NPROC, steps=STEPS, run_id=run_id,
-                         extra_args=["--step-delay", STEP_DELAY, *drill.fault_args]) as job, \
-                stack.prometheus(job) as prom:
+                         extra_args=["--step-delay", STEP_DELAY, *drill.fault_args]) as job:
+            prom = _watched_job(stack, job)
             try:
-                job.wait_for(_fault_reached(drill), timeout=START_TIMEOUT)
-            except TimeoutError:
-                exporter_log = job.metrics_dir / "exporter.log"
-                raise TimeoutError(f"fault step not seen; job log:\n{job.log()[-2000:]}\nexporter log:\n"
-                                   + (exporter_log.read_text()[-2000:] if exporter_log.exists() else "none"))
-            t_fault = time.time()
+                if drill.fault_step is not None and _fault_reached(drill)(job.scrape()):
+                    raise AssertionError(f"the fault (step {drill.fault_step}) came before Prometheus scraped; "
+                                         "raise FAULT_STEP")
+                try:
+                    job.wait_for(_fault_reached(drill), timeout=START_TIMEOUT, what="the fault step")
+                except TimeoutError:
+                    steps = [(x.labels.get("rank"), x.value) for x in job.scrape() if x.name == "rankscope_step"]
+                    raise TimeoutError(f"fault step not reached; steps now {steps}; job log:\n"
+                                       f"{job.log()[-3000:]}") from None
+                t_fault = time.time()
 
-            def is_page(d: Delivery) -> bool:
-                return d.path == drill.path and any(
-                    a["labels"].get("rank") == FAULT_RANK and a["labels"].get("run") == run_id
-                    for a in firing_alerts(d, drill.alertname))
+                def is_page(d: Delivery) -> bool:
+                    return d.path == drill.path and any(
+                        a["labels"].get("rank") == FAULT_RANK and a["labels"].get("run") == run_id
+                        for a in firing_alerts(d, drill.alertname))
 
-            try:
-                delivery = stack.hook.wait_for(is_page, timeout=PAGE_TIMEOUT)
+                try:
+                    delivery = stack.hook.wait_for(is_page, timeout=PAGE_TIMEOUT)
+                finally:
+                    result.deliveries = stack.hook.snapshot()
+                    result.prometheus_alerts = prom.alerts()
             finally:
-                result.deliveries = stack.hook.snapshot()
-                result.prometheus_alerts = prom.alerts()
+                prom.__exit__(None, None, None)
             result.delivery = delivery
             result.alert = next(a for a in firing_alerts(delivery, drill.alertname)
                                 if a["labels"].get("rank") == FAULT_RANK)
@@ -173,29 +199,29 @@ def run_healthy_drill(rules_dir: Path) -> DrillResult:
     result = DrillResult("healthy", run_id)
     try:
         with Stack(rules_dir) as stack, \
-                TrainJob(nproc=NPROC, steps=STEPS, run_id=run_id, extra_args=["--step-delay", STEP_DELAY]) as job, \
-                stack.prometheus(job) as prom:
-            returncode = job.wait(timeout=START_TIMEOUT + 60)
-            assert returncode == 0, f"the healthy job failed (rc {returncode}):\n{job.log()[-2000:]}"
-            # Until Prometheus has scraped the finished ranks, then a few more
-            # evaluations (1 s each) so end-of-run transitions are judged too.
-            poll(lambda: len(prom.query(f'rankscope_rank_state{{run="{run_id}",state="finished"}} == 1')) == NPROC,
-                 timeout=30, what="finished ranks scraped")
-            observe_until = time.monotonic() + 5
-            while time.monotonic() < observe_until:
-                firing = [a for a in prom.alerts() if a["state"] == "firing"]
-                if firing or stack.hook.snapshot():
-                    break
-                time.sleep(0.5)
-            result.prometheus_alerts = prom.alerts()
-            result.deliveries = stack.hook.snapshot()
+                TrainJob(nproc=NPROC, steps=STEPS, run_id=run_id, extra_args=["--step-delay", STEP_DELAY]) as job:
+            prom = _watched_job(stack, job)
+            try:
+                returncode = job.wait(timeout=START_TIMEOUT + 60)
+                assert returncode == 0, f"the healthy job failed (rc {returncode}):\n{job.log()[-2000:]}"
+                # Until Prometheus has scraped the finished ranks, then a few more
+                # evaluations (1 s each) so end-of-run transitions are judged too.
+                poll(lambda: len(prom.query(
+                    f'rankscope_rank_state{{run="{run_id}",state="finished"}} == 1')) == NPROC,
+                    timeout=30, what="finished ranks scraped")
+                observe_until = time.monotonic() + 5
+                while time.monotonic() < observe_until:
+                    firing = [a for a in prom.alerts() if a["state"] == "firing"]
+                    if firing or stack.hook.snapshot():
+                        break
+                    time.sleep(0.5)
+                result.prometheus_alerts = prom.alerts()
+                result.deliveries = stack.hook.snapshot()
+            finally:
+                prom.__exit__(None, None, None)
     except Exception:  # noqa: BLE001
         result.error = traceback.format_exc()
     return result
-
-
-# All drills run in the first drill test's setup: allow for that on a loaded machine.
-pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
