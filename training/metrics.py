@@ -124,7 +124,7 @@ class RankMetrics:
             self._errors_metric = m["rankscope_telemetry_errors_total"]
             self._ident = ident
             self.errors: dict[str, object] = {}
-            for component in ("publisher", "memory", "collectives", "loss", "tracing", "user"):
+            for component in ("step", "publisher", "memory", "collectives", "loss", "tracing", "user"):
                 self.telemetry_error(component, 0)
 
     def bind(self, name: str):

@@ -383,9 +383,10 @@ class Monitor:
                 acc.last_duration = duration
                 acc.last_end = s.start_unix + duration
                 if loss is not None:
-                    anomaly = self._judge_loss(loss, acc) or anomaly
+                    anomaly = self._judge_loss(loss, acc)
                 if grad is not None:
-                    anomaly = self._judge_grad(grad, acc) or anomaly
+                    grad_anomaly = self._judge_grad(grad, acc)
+                    anomaly = anomaly or grad_anomaly   # the loss is the primary signal
                 if s.lr is not None:
                     acc.lr = float(s.lr)
             median = self._median_step
@@ -393,7 +394,7 @@ class Monitor:
             if not anomaly and median and s.number > 10 and duration > SLOW_STEP_FACTOR * median:
                 anomaly = "slow_step"
             if self.tracing.enabled and (anomaly or self.tracing.sampled(s.number)):
-                self._trace(s, t1, anomaly)
+                self._trace(s, t1, anomaly, loss)
         except Exception:
             self._error("step")
 
@@ -441,14 +442,14 @@ class Monitor:
             return "grad_spike"
         return ""
 
-    def _trace(self, s: Step, t1: float, anomaly: str) -> None:
+    def _trace(self, s: Step, t1: float, anomaly: str, loss: float | None = None) -> None:
         base = s.start_unix - s.t0  # perf_counter -> unix seconds
         record = StepRecord(
             step=s.number, start=s.start_unix, duration=t1 - s.t0,
             phases=[PhaseRecord(name, base + a, b - a) for name, a, b in s.phase_log],
             collectives=self.tracker.recent_since(s.start_unix),
             samples=s.samples, tokens=s.tokens,
-            loss=s.loss if isinstance(s.loss, float) else None, anomaly=anomaly,
+            loss=loss, anomaly=anomaly,
         )
         self.tracing.submit(record)
 
@@ -686,8 +687,8 @@ class Monitor:
         self._stop.set()
         if self._publisher.is_alive() and self._publisher is not threading.current_thread():
             self._publisher.join(timeout=2.0)
-        self._publish()
         self.tracing.shutdown(timeout_s=2.0)
+        self._publish()   # after the tracer: spans dropped at shutdown are counted too
         try:
             self.registration.finished_at = time.time()
             self.registration.save(self.run_dir)
