@@ -19,8 +19,10 @@ throttle, see shared/reference/ecosystem.md B2), so budget for it in timeouts.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import shutil
 import socket
 import subprocess
@@ -76,6 +78,15 @@ def http_get_json(url: str, timeout: float = 5.0) -> Any:
         return json.load(resp)
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the thread that started us exits
+    (Linux PR_SET_PDEATHSIG), so a test runner killed mid-test leaves no server behind."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class _Daemon:
     """A server binary started on a free loopback port with a private temp dir."""
 
@@ -102,8 +113,11 @@ class _Daemon:
         with open(self.log_path, "wb") as log:
             # New session: a Ctrl-C in the terminal reaches pytest, which then
             # stops us by PID, instead of racing us.
+            # Note: the parent-death signal follows the starting *thread*; start
+            # and stop a server in the same thread (or the main one).
             self.proc = subprocess.Popen(self._command(), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
 
         def ready() -> bool:
             if self.proc.poll() is not None:
