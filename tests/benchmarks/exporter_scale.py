@@ -40,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 8, 64])
     p.add_argument("--scrapes", type=int, default=0, help="scrapes per size (default: 100, 50, 20 by size)")
     p.add_argument("--quick", action="store_true", help="2 and 8 ranks, 5 scrapes: a smoke run")
+    p.add_argument("--ops", nargs="+", default=None, metavar="OP",
+                   help="bind only these collective ops in each rank (what-if for lazy per-op binding; "
+                        "default: every op, as RankMetrics does today)")
     p.add_argument("--farm", type=int, help=argparse.SUPPRESS)
     p.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -49,9 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # -- the rank farm ----------------------------------------------------------------------------
-def farm(n: int, run_dir: Path) -> int:
+def farm(n: int, run_dir: Path, ops: list[str] | None = None) -> int:
     """Fork ``n`` rank processes, print READY when all have written, exit (killing them) on stdin EOF."""
+    from training import catalog
     from training.metrics import RankMetrics  # noqa: F401  (imported once, shared by the forks)
+
+    if ops:  # RankMetrics binds a child per op in catalog.COLLECTIVE_OPS: narrow it for the what-if
+        catalog.COLLECTIVE_OPS = tuple(ops)
     from training.registration import Registration, process_start_ticks  # noqa: F401
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -164,14 +171,15 @@ def http_get(port: int, path: str) -> bytes:
 
 
 # -- the benchmark -----------------------------------------------------------------------------
-def measure(n: int, scrapes: int) -> dict:
+def measure(n: int, scrapes: int, ops: list[str] | None = None) -> dict:
     from tests.helpers.jobs import free_port, parse, wait_until
 
     tmp = Path(tempfile.mkdtemp(prefix="rankscope-scale-"))
     run_dir = tmp / RUN
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    farm_proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--farm", str(n), "--dir", str(run_dir)],
+    farm_proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--farm", str(n), "--dir", str(run_dir),
+                                  *(["--ops", *ops] if ops else [])],
                                  cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     exporter = None
     try:
@@ -255,13 +263,13 @@ def breakdown(directory: Path, repeats: int) -> tuple[float, float]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.farm:
-        return farm(args.farm, args.dir)
+        return farm(args.farm, args.dir, args.ops)
     sys.path.insert(0, str(REPO))
     load_before = loadavg()
     results = []
     for n in args.ranks:
         scrapes = args.scrapes or (100 if n <= 2 else 50 if n <= 8 else 20)
-        results.append(measure(n, scrapes))
+        results.append(measure(n, scrapes, args.ops))
     rows = []
     for r in results:
         target = TARGET_P50_S.get(r["ranks"])
@@ -271,7 +279,8 @@ def main(argv=None) -> int:
                      f"{r['rss_mb']:.1f} ({r['peak_rss_mb']:.1f})", r["series"], f"{r['series_per_rank']:.0f}",
                      f"{r['bytes'] / 1024:.0f}", f"{r['progressing']}/{r['ranks']}", f"{r['merge_ms']:.0f}",
                      f"{r['render_ms']:.0f}"])
-    print("rankscope node exporter at scale (live rank processes, full metric set, back-to-back scrapes)")
+    print("rankscope node exporter at scale (live rank processes, back-to-back scrapes, "
+          + (f"what-if: only {', '.join(args.ops)} bound per rank)" if args.ops else "full metric set)"))
     print(table(["ranks", "scrapes", "p50 ms", "p99 ms", "p50 target ms", "exporter CPU ms/scrape",
                  "RSS MB (peak)", "series served", "series per rank", "KiB", "progressing", "merge ms", "render ms"], rows))
     print("merge ms / render ms: CPU of the exporter's collect() (read + merge the mmap files, derive states) and of\n"
@@ -286,7 +295,7 @@ def main(argv=None) -> int:
           f"~{per_rank * fleet_gpus + 1024 * (last['series'] - last['rank_series']):,.0f} rank series")
     targets_met = rss_ok and all(r["p50_ms"] <= 1000 * TARGET_P50_S[r["ranks"]]
                                  for r in results if r["ranks"] in TARGET_P50_S)
-    emit_json({"benchmark": "exporter_scale", "results": results, "targets_met": targets_met,
+    emit_json({"benchmark": "exporter_scale", "ops": args.ops or "all", "results": results, "targets_met": targets_met,
                "series_per_rank": per_rank, "machine": machine()})
     return 0
 
