@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import signal
 import statistics
@@ -45,8 +46,8 @@ def _hang_started(job: TrainJob, rank: int) -> float:
 
 
 def test_hung_rank_is_named_while_its_peers_wait_in_all_reduce():
-    with TrainJob(nproc=3, steps=100_000, extra_args=["--hang-at", "30", "--fault-rank", "2"],
-                  env=FAST_STATES) as job:
+    env = {**FAST_STATES, "TORCH_FR_BUFFER_SIZE": "200", "RANKSCOPE_FLIGHT_RECORDER_AFTER_S": "3"}
+    with TrainJob(nproc=3, steps=100_000, extra_args=["--hang-at", "30", "--fault-rank", "2"], env=env) as job:
         hung_at = _hang_started(job, 2)
 
         def peers_waiting_and_suspect_named(s):
@@ -74,6 +75,15 @@ def test_hung_rank_is_named_while_its_peers_wait_in_all_reduce():
         for r in ("0", "1"):
             assert value(later, "rankscope_rank_state", rank=r, state="stuck_in_collective") == 1
         assert value(later, "rankscope_rank_up", rank="2") == 1   # alive and heartbeating: hung, not dead
+        # The waiting ranks left torch's flight recorder where the runbook says to look.
+        dumps = {r: next(job.metrics_dir.glob(f"*/flight-recorder/nccl_trace_rank_{r}"), None) for r in (0, 1)}
+        assert all(dumps.values()), dumps
+        for path in dumps.values():
+            trace = pickle.loads(path.read_bytes())
+            names = [e.get("profiling_name") for e in trace["entries"]]
+            assert "gloo:all_reduce" in names, names[-5:]
+            assert any(e.get("state") != "completed" for e in trace["entries"])   # the stuck one
+        assert not list(job.metrics_dir.glob("*/flight-recorder/nccl_trace_rank_2"))  # in no collective
 
 
 def test_sigstop_is_frozen_not_stuck_and_sigcont_resumes():

@@ -59,7 +59,7 @@ class MonitorConfig:
     memory_every_s: float = 2.0
     """How often device and host memory are sampled (background thread)."""
     flight_recorder_after_s: float = 60.0
-    """NCCL: dump torch's flight recorder once a collective has been in flight this long."""
+    """Dump torch's flight recorder (if on) once a collective has been in flight this long."""
 
     def __post_init__(self) -> None:
         if self.run is not None and not _valid_label_value(self.run):

@@ -630,7 +630,7 @@ class Monitor:
         for op, n in nbytes.items():
             m.coll_bytes[op].inc(n)
         in_flight = tracker.in_flight()
-        if in_flight and self.registration.info.get("backend") == "nccl":
+        if in_flight:
             self._maybe_dump_flight_recorder(min(in_flight.values()))
         for op in set(in_flight) | set(self._in_flight_published):
             since = in_flight.get(op, 0.0)
@@ -643,9 +643,9 @@ class Monitor:
                     self._in_flight_published.pop(op, None)
 
     def _maybe_dump_flight_recorder(self, oldest_start: float) -> None:
-        """Leave torch's NCCL flight recorder where the runbook says to look,
-        once per stuck collective: <run dir>/flight-recorder/nccl_trace_rank_<rank>.
-        Needs TORCH_NCCL_TRACE_BUFFER_SIZE > 0 (the recorder is off otherwise)."""
+        """Leave torch's flight recorder where the runbook says to look, once
+        per stuck collective: <run dir>/flight-recorder/nccl_trace_rank_<rank>.
+        Needs TORCH_FR_BUFFER_SIZE > 0 (the recorder is off otherwise)."""
         if time.time() - oldest_start < self.config.flight_recorder_after_s:
             return
         if self._flight_recorder_dumped == oldest_start:
@@ -653,7 +653,7 @@ class Monitor:
         self._flight_recorder_dumped = oldest_start
         path = dump_flight_recorder(self.run_dir / "flight-recorder", self.identity.rank)
         if path is not None:
-            log.warning("rankscope: collective in flight for over %.0f s; NCCL flight recorder dumped to %s",
+            log.warning("rankscope: collective in flight for over %.0f s; flight recorder dumped to %s",
                         self.config.flight_recorder_after_s, path)
 
     def _publish_memory(self) -> None:
@@ -742,14 +742,21 @@ class UserMetric:
 
 
 def dump_flight_recorder(directory, rank: int):
-    """Write torch's NCCL flight recorder (a pickle, as torchfrtrace reads it); None where unavailable."""
+    """Write torch's flight recorder (a pickle) for this rank; None where it is off or missing.
+
+    torch >= 2.7 records gloo and NCCL collectives alike once
+    TORCH_FR_BUFFER_SIZE (or TORCH_NCCL_TRACE_BUFFER_SIZE) is > 0; older CUDA
+    builds only have the NCCL entry point.
+    """
     import torch
 
-    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
-    if dump is None or int(os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0") or 0) <= 0:
+    c10d = torch._C._distributed_c10d
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    size = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or "0"
+    if dump is None or not size.isdigit() or int(size) <= 0:
         return None
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"nccl_trace_rank_{rank}"
+    path = directory / f"nccl_trace_rank_{rank}"   # the file name torchfrtrace expects
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(dump(True, True, False))
     os.replace(tmp, path)
