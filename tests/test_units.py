@@ -254,7 +254,7 @@ def test_cuda_phases_come_from_events_read_later(tmp_path, monkeypatch):
             events.append(FakeEvent())
             return events[-1]
 
-        monitor.tracker._events = monitor._step.events = EventPool(factory)
+        monitor.tracker.events = monitor._step.events = EventPool(factory)
         with monitor.step(samples=4) as step:
             with step.phase("forward"):
                 time.sleep(0.01)

@@ -89,7 +89,7 @@ class CollectiveTracker:
         self.recent: deque[CollectiveRecord] = deque(maxlen=256)   # for traces of the current step
         self.dropped = 0
         self._device: deque[_DeviceSpan] = deque()
-        self._events = EventPool(event_factory) if event_factory else None
+        self.events = EventPool(event_factory) if event_factory else None   # CUDA only
         self._drain_lock = threading.Lock()
         # Timing of the current step's DDP buckets (for the exposed wait).
         self.last_bucket_launch = 0.0   # perf_counter of the latest bucket launch
@@ -114,13 +114,13 @@ class CollectiveTracker:
         token = next(self._tokens)
         start = time.time()
         self._in_flight[token] = (op, start)
-        start_event = self._events.get()
+        start_event = self.events.get()
         start_event.record()
         return _DeviceSpan(token, op, nbytes, start, bucket, start_event, None)
 
     def end_device(self, span: _DeviceSpan) -> None:
         """Call on the stream that is synchronised with the collective's completion."""
-        span.end_event = self._events.get()
+        span.end_event = self.events.get()
         span.end_event.record()
         self._device.append(span)
 
@@ -133,8 +133,8 @@ class CollectiveTracker:
                 span.duration = span.start_event.elapsed_time(span.end_event) / 1000.0
                 self._in_flight.pop(span.token, None)
                 self._record(CollectiveRecord(span.op, span.nbytes, span.start_unix, span.duration, span.bucket))
-                self._events.put(span.start_event)
-                self._events.put(span.end_event)
+                self.events.put(span.start_event)
+                self.events.put(span.end_event)
                 done += 1
         return done
 

@@ -130,7 +130,7 @@ class Step:
 
     def __init__(self, monitor: "Monitor"):
         self.monitor = monitor
-        self.events = monitor.tracker._events   # None unless the device is CUDA
+        self.events = monitor.tracker.events   # None unless the device is CUDA
         self.device_phases: list[tuple[str, Any, Any]] = []
         self._phases = {name: _Phase(name, self) for name in catalog.PHASES}
         self.number = -1
@@ -466,7 +466,7 @@ class Monitor:
         check_op(op)
         size = tensor_nbytes(tensors) if nbytes is None else nbytes
         on_cuda = any(getattr(t, "is_cuda", False) for t in tensors)
-        if on_cuda and self.tracker._events is not None:
+        if on_cuda and self.tracker.events is not None:
             span = self.tracker.begin_device(op, size)
             try:
                 yield
@@ -520,7 +520,7 @@ class Monitor:
         try:
             now = time.time()
             m.heartbeat.set(now)
-            if self.tracker._events is not None:
+            if self.tracker.events is not None:
                 self.tracker.poll_device()   # first: device steps need their buckets' durations
             self._resolve_device_values()
             self._resolve_device_steps()
@@ -593,7 +593,7 @@ class Monitor:
     def _resolve_device_steps(self) -> None:
         """Turn finished CUDA steps' events into phase seconds (never waits)."""
         pending = self._pending_device_steps
-        pool = self.tracker._events
+        pool = self.tracker.events
         while pending:
             step = pending[0]
             if not all(end.query() for _, _, end in step.phases):
