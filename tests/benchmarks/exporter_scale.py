@@ -16,7 +16,6 @@ back over HTTP from this process.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
