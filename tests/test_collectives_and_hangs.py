@@ -20,12 +20,13 @@ FAST_STATES = {"RANKSCOPE_STUCK_AFTER_S": "5", "RANKSCOPE_FROZEN_AFTER_S": "4", 
 
 
 def test_explicit_all_reduce_duration_agrees_with_wall_clock(tmp_path):
-    env = {**os.environ, "RANKSCOPE_METRICS_DIR": str(tmp_path), "CALLS": "25", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "RANKSCOPE_METRICS_DIR": str(tmp_path / "metrics"), "CALLS": "25", "PYTHONPATH": str(REPO),
+           "RESULTS_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           str(REPO / "tests/scripts/collective_accuracy.py")], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
-    results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank-*.json"))]
     assert len(results) == 2
     for result in results:
         ratios = [recorded / direct for recorded, direct in result["pairs"]]

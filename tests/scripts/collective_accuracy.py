@@ -1,6 +1,6 @@
 """Run under torchrun (gloo, 2 ranks): times explicit collectives through
 Monitor.collective and, around the same calls, with a direct wall clock.
-Prints one JSON line per rank: per-call (recorded, direct) pairs and the
+Writes one JSON file per rank to $RESULTS_DIR: per-call (recorded, direct) pairs and the
 op-labelled totals the monitor published."""
 
 import json
@@ -45,7 +45,10 @@ def main() -> None:
     with monitor.collective("barrier"):
         dist.barrier()
     ops = sorted({r.op: r.nbytes for r in monitor.tracker.drain()}.items())
-    print(json.dumps({"rank": dist.get_rank(), "pairs": pairs, "ops": ops}), flush=True)
+    # One file per rank: two ranks printing to one pipe can interleave their lines.
+    out = os.path.join(os.environ["RESULTS_DIR"], f"rank-{dist.get_rank()}.json")
+    with open(out, "w") as f:
+        json.dump({"rank": dist.get_rank(), "pairs": pairs, "ops": ops}, f)
     monitor.close()
     dist.destroy_process_group()
 
