@@ -54,6 +54,7 @@ log = logging.getLogger("rankscope")
 DEFAULT_SERVICE_NAME = "rankscope-training"
 DEFAULT_TRACE_EVERY = 100
 DEFAULT_EXPORT_TIMEOUT_S = 1.0
+RETRY_AFTER_S = 5.0   # after a failed export, spans are dropped unbuilt this long before the next try
 DEFAULT_BSP_QUEUE = 2048
 # The SDK default is 5 s. Traced steps are rare, so exporting every second
 # costs little, and spans spend less time in the queue, where they survive
@@ -324,7 +325,7 @@ class OtlpTracing(Tracing):
                 self._on_error()
 
     def _emit(self, record: StepRecord) -> None:
-        if not self.processor.has_room(count_spans(record)):
+        if self.exporter.collector_down() or not self.processor.has_room(count_spans(record)):
             self.processor.dropped += count_spans(record)
             return
         rank, step = self.identity.rank, record.step
@@ -452,6 +453,7 @@ class CountingExporter:
         self.failed = 0
         self.deadline: float | None = None   # set when shutdown starts
         self.last_ok = True
+        self.failed_at = 0.0                 # monotonic time of the last failed export
         self._logged = False
 
     def export(self, spans: Sequence):
@@ -464,6 +466,9 @@ class CountingExporter:
             # last export (it is down: waiting on it again only delays exit).
             self.failed += n
             return SpanExportResult.FAILURE
+        if self.collector_down():
+            self.failed += n
+            return SpanExportResult.FAILURE
         try:
             result = self.inner.export(spans)
         except Exception:
@@ -473,11 +478,20 @@ class CountingExporter:
             self.succeeded += n
         else:
             self.failed += n
+            self.failed_at = time.monotonic()
             if not self._logged:
                 self._logged = True
                 log.warning("rankscope: span export to the OTLP endpoint failed; failed spans are counted "
                             "in rankscope_spans_dropped_total (logged once)")
         return result
+
+    def collector_down(self) -> bool:
+        """The last export failed less than RETRY_AFTER_S ago: do not try (or build spans) again yet.
+
+        Against a dead collector, every export attempt and every span built
+        costs CPU that the training ranks share; one probe every few seconds
+        is enough to notice that it came back."""
+        return not self.last_ok and time.monotonic() - self.failed_at < RETRY_AFTER_S
 
     def in_flight(self) -> int:
         return self.given - self.succeeded - self.failed
