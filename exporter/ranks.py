@@ -23,7 +23,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from exporter.catalog import BY_NAME as EXPORTER_SPECS
 from exporter.catalog import RANK_STATES
 from exporter.config import ExporterConfig
-from training.catalog import COLLECTIVE_OPS, IDENTITY_LABELS
+from training.catalog import COLLECTIVE_OPS, EAGER_COLLECTIVE_OPS, IDENTITY_LABELS
 from training.registration import (RANKS_SUBDIR, Registration, latest_per_rank, load_registrations,
                                    process_state)
 
@@ -39,6 +39,7 @@ class RankView:
     heartbeat: float = 0.0
     last_step: float = 0.0
     in_flight: dict[str, float] = field(default_factory=dict)   # op -> started (unix)
+    ops: list[str] = field(default_factory=lambda: list(EAGER_COLLECTIVE_OPS))   # ops the rank has used
     state: str = "starting"
     suspect: bool = False
 
@@ -122,7 +123,10 @@ class RankCollector:
             v.heartbeat = index.get(("rankscope_heartbeat_timestamp_seconds",) + key, 0.0)
             v.last_step = index.get(("rankscope_last_step_timestamp_seconds",) + key, 0.0)
             for op in COLLECTIVE_OPS:
-                if index.get(("rankscope_collective_in_flight",) + key + (op,), 0.0) >= 1:
+                flag = index.get(("rankscope_collective_in_flight",) + key + (op,))
+                if flag is not None and op not in v.ops:
+                    v.ops.append(op)
+                if flag is not None and flag >= 1:
                     v.in_flight[op] = index.get(("rankscope_collective_started_timestamp_seconds",) + key + (op,),
                                                 now) or now
             if not v.alive:
@@ -177,7 +181,7 @@ def _add_view(families: dict[str, GaugeMetricFamily], v: RankView, now: float) -
     families["rankscope_step_stalled_seconds"].add_metric(ident, max(now - (v.last_step or v.reg.started_at), 0.0))
     if v.heartbeat:
         families["rankscope_heartbeat_age_seconds"].add_metric(ident, max(now - v.heartbeat, 0.0))
-    for op in COLLECTIVE_OPS:
+    for op in v.ops:
         since = v.in_flight.get(op)
         families["rankscope_collective_in_flight_seconds"].add_metric(ident + [op], max(now - since, 0.0)
                                                                       if since else 0.0)

@@ -279,3 +279,26 @@ def test_cuda_phases_come_from_events_read_later(tmp_path, monkeypatch):
         assert sum(p._value.get() for p in phase.values()) == pytest.approx(step_seconds, rel=1e-6)
     finally:
         monitor.close()
+
+
+def test_reducer_mode_without_ddp_timers_fails_at_watch(tmp_path, monkeypatch):
+    """comm_timing=reducer reads DDP's private runtime-logging API: if a torch
+    release drops it, watch() says so at start-up instead of failing mid-run."""
+    import torch
+
+    from training.monitor import Monitor
+
+    class DdpWithoutTimers(torch.nn.Linear):   # has DDP's public hook API, not its logging API
+        def register_comm_hook(self, state, hook):
+            raise AssertionError("reducer mode must not register a hook")
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monitor = Monitor(exporter="off", metrics_dir=tmp_path, run="no-timers", publish_interval_s=60)
+    try:
+        with pytest.raises(ConfigError, match="comm_timing=reducer: cannot read DDP's timers.*use comm_timing=hook"):
+            monitor.watch(DdpWithoutTimers(2, 2))
+        with pytest.raises(ConfigError, match="expected a DistributedDataParallel"):
+            monitor.watch(torch.nn.Linear(2, 2))
+    finally:
+        monitor.close()

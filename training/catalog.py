@@ -31,6 +31,9 @@ COLLECTIVE_OPS: tuple[str, ...] = (
     "send",
     "recv",
 )
+# A rank's series for an op exist from its first use of the op, except these,
+# which every data-parallel job uses and which read 0 from start-up.
+EAGER_COLLECTIVE_OPS: tuple[str, ...] = ("all_reduce",)
 NONFINITE_WHAT: tuple[str, ...] = ("loss", "grad")
 
 # Step times range from ~1 ms (tiny CPU models) to minutes (huge GPU steps).

@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 
@@ -66,6 +67,15 @@ def build_metric(spec: MetricSpec, registry: CollectorRegistry, extra_labels: tu
     raise ValueError(f"unknown metric kind {spec.kind!r}")
 
 
+@dataclass(slots=True)
+class CollectiveSeries:
+    duration: Any    # histogram child
+    last: Any        # gauge child
+    bytes: Any       # counter child
+    in_flight: Any   # gauge child
+    started: Any     # gauge child
+
+
 class RankMetrics:
     """Pre-bound children of every catalog metric for one rank.
 
@@ -102,16 +112,6 @@ class RankMetrics:
             self.nonfinite = {w: m["rankscope_nonfinite_total"].labels(*ident, w) for w in catalog.NONFINITE_WHAT}
             self.loss_spikes = b("rankscope_loss_spikes_total")
             self.grad_spikes = b("rankscope_grad_norm_spikes_total")
-            self.coll_duration = {o: m["rankscope_collective_duration_seconds"].labels(*ident, o)
-                                  for o in catalog.COLLECTIVE_OPS}
-            self.coll_last = {o: m["rankscope_collective_last_duration_seconds"].labels(*ident, o)
-                              for o in catalog.COLLECTIVE_OPS}
-            self.coll_bytes = {o: m["rankscope_collective_bytes_total"].labels(*ident, o)
-                               for o in catalog.COLLECTIVE_OPS}
-            self.coll_in_flight = {o: m["rankscope_collective_in_flight"].labels(*ident, o)
-                                   for o in catalog.COLLECTIVE_OPS}
-            self.coll_started = {o: m["rankscope_collective_started_timestamp_seconds"].labels(*ident, o)
-                                 for o in catalog.COLLECTIVE_OPS}
             self.mem_allocated = b("rankscope_device_memory_allocated_bytes")
             self.mem_reserved = b("rankscope_device_memory_reserved_bytes")
             self.mem_peak = b("rankscope_device_memory_peak_allocated_bytes")
@@ -123,9 +123,37 @@ class RankMetrics:
             self.spans_dropped = b("rankscope_spans_dropped_total")
             self._errors_metric = m["rankscope_telemetry_errors_total"]
             self._ident = ident
+            self._collectives: dict[str, CollectiveSeries] = {}
+            for op in catalog.EAGER_COLLECTIVE_OPS:
+                self.collective(op)
             self.errors: dict[str, object] = {}
             for component in ("step", "publisher", "memory", "collectives", "loss", "tracing", "user"):
                 self.telemetry_error(component, 0)
+
+    def collective(self, op: str) -> CollectiveSeries:
+        """The series of one collective op, bound on first use.
+
+        Binding all eight ops up front would put 22 series per op per rank on
+        every scrape, 154 of them for ops a DDP job never calls: they made up
+        60% of the exporter's work (docs/performance.md)."""
+        series = self._collectives.get(op)
+        if series is not None:
+            return series
+        with mmap_values(self.directory):   # holds the module lock: two threads bind once
+            series = self._collectives.get(op)
+            if series is None:
+                m, ident = self._metrics, self._ident
+                series = CollectiveSeries(
+                    duration=m["rankscope_collective_duration_seconds"].labels(*ident, op),
+                    last=m["rankscope_collective_last_duration_seconds"].labels(*ident, op),
+                    bytes=m["rankscope_collective_bytes_total"].labels(*ident, op),
+                    in_flight=m["rankscope_collective_in_flight"].labels(*ident, op),
+                    started=m["rankscope_collective_started_timestamp_seconds"].labels(*ident, op),
+                )
+                series.in_flight.set(0.0)   # a bound op is exported as 0, not absent
+                series.started.set(0.0)
+                self._collectives[op] = series
+        return series
 
     def bind(self, name: str):
         return self._metrics[name].labels(**self.identity)

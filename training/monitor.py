@@ -37,7 +37,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from training import catalog
 from training.catalog import MetricSpec
-from training.collectives import CollectiveTracker, check_op, ddp_timing_hook, tensor_nbytes
+from training.collectives import CollectiveTracker, ReducerTimers, check_op, ddp_timing_hook, tensor_nbytes
 from training.config import ConfigError, MonitorConfig
 from training.health import GradNormTracker, LossTracker
 from training.identity import RankIdentity
@@ -88,25 +88,34 @@ class _Phase:
     host returns from forward long before the GPU finishes it, so device
     phases are measured by events and read later by the publisher."""
 
-    __slots__ = ("name", "step", "t0", "event")
+    __slots__ = ("name", "step", "t0", "event", "in_flight", "token")
 
     def __init__(self, name: str, step: "Step"):
         self.name = name
         self.step = step
         self.t0 = 0.0
         self.event = None
+        # The op this phase counts as in flight (watch() in reducer mode sets
+        # "all_reduce" on backward: a rank blocked there waits on its peers).
+        self.in_flight: str | None = None
+        self.token = -1
 
     def __enter__(self) -> "_Phase":
         events = self.step.events
         if events is not None:
             self.event = events.get()
             self.event.record()
+        if self.in_flight is not None:
+            self.token = self.step.monitor.tracker.mark(self.in_flight, time.time())
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         t1 = time.perf_counter()
         step = self.step
+        if self.token >= 0:
+            step.monitor.tracker.unmark(self.token)
+            self.token = -1
         if step.events is not None and self.event is not None:
             end = step.events.get()
             end.record()
@@ -203,6 +212,7 @@ class Monitor:
 
             ensure_exporter(self.config)
         self.tracker = CollectiveTracker(self.identity.world_size, _cuda_event_factory(device))
+        self._reducer: ReducerTimers | None = None   # set by watch() in reducer mode
         self.loss_tracker = LossTracker(self.config.loss_window, self.config.loss_ema_alpha,
                                         self.config.spike_zscore, self.config.spike_warmup_steps)
         self.grad_tracker = GradNormTracker(self.config.grad_spike_factor)
@@ -227,9 +237,6 @@ class Monitor:
         self.metrics.start_ts.set(self.registration.started_at)
         self.metrics.mem_total.set(self.memory.total)
         self.metrics.mem_limit.set(self.memory.host_limit)
-        for op in catalog.COLLECTIVE_OPS:  # known series are exported as 0, not absent
-            self.metrics.coll_in_flight[op].set(0.0)
-            self.metrics.coll_started[op].set(0.0)
         self._stop = threading.Event()
         self._publisher = threading.Thread(target=self._publish_loop, name="rankscope-publisher", daemon=True)
         self._publish()  # heartbeat and zeros visible before the first step
@@ -289,11 +296,29 @@ class Monitor:
         self.metrics.set_rank_info(info)
 
     def watch(self, ddp_model: Any) -> Any:
-        """Time every gradient bucket of a DistributedDataParallel model; returns the model."""
-        if self.config.comm_timing == "hook":
-            if not hasattr(ddp_model, "register_comm_hook"):
-                raise ConfigError("watch(): expected a DistributedDataParallel model")
+        """Time the gradient all-reduces of a DistributedDataParallel model; returns the model.
+
+        How depends on ``comm_timing`` (see MonitorConfig); ``auto`` picks the
+        comm hook for a model on CUDA and DDP's own timers otherwise."""
+        mode = self.config.comm_timing
+        if mode == "off":
+            return ddp_model
+        if not hasattr(ddp_model, "register_comm_hook"):
+            raise ConfigError("watch(): expected a DistributedDataParallel model")
+        if mode == "auto":
+            on_cuda = any(p.is_cuda for p in ddp_model.parameters())
+            mode = "hook" if on_cuda else "reducer"
+        if mode == "hook":
             ddp_model.register_comm_hook(None, ddp_timing_hook(self.tracker, lambda: self._error("collectives")))
+            return ddp_model
+        try:
+            self._reducer = ReducerTimers(ddp_model)
+        except Exception as e:   # DDP's private logging API moved: say so now, not mid-training
+            import torch
+
+            raise ConfigError(f"comm_timing=reducer: cannot read DDP's timers in torch {torch.__version__} ({e!r}); "
+                              "use comm_timing=hook") from None
+        self._step._phases["backward"].in_flight = "all_reduce"
         return ddp_model
 
     # -- the hot path ---------------------------------------------------------
@@ -357,14 +382,12 @@ class Monitor:
                 phases = dict.fromkeys(catalog.PHASES, 0.0)
                 phases["data"] = s.phase_seconds["data"]
             else:
-                # Exposed communication: after the last bucket was launched, backward
-                # had no compute left and only waited for the all-reduces to finish.
-                launch = self.tracker.last_bucket_launch
-                if s.backward_end and s.backward_start <= launch <= s.backward_end:
-                    exposed = s.backward_end - launch
-                    phases["backward"] -= exposed
-                    phases["comm_wait"] += exposed
+                exposed = self._exposed_comm(s)
+                phases["backward"] -= exposed
+                phases["comm_wait"] += exposed
                 phases["other"] += max(duration - sum(phases.values()), 0.0)
+            if self._reducer is not None:
+                self._poll_reducer()
             anomaly = ""
             loss = self._read_now("loss", s.loss)
             grad = self._read_now("grad", s.grad_norm)
@@ -397,6 +420,29 @@ class Monitor:
                 self._trace(s, t1, anomaly, loss)
         except Exception:
             self._error("step")
+
+    def _exposed_comm(self, s: Step) -> float:
+        """Seconds of backward spent only waiting for all-reduces (CPU clock)."""
+        if not s.backward_end:
+            return 0.0
+        if self._reducer is not None:
+            # DDP's timers, from the latest sampled step: an estimate for the others.
+            return min(self._reducer.exposed, s.phase_seconds["backward"])
+        # After the last bucket was launched, backward had no compute left and
+        # only waited for the all-reduces to finish.
+        launch = self.tracker.last_bucket_launch
+        if s.backward_start <= launch <= s.backward_end:
+            return s.backward_end - launch
+        return 0.0
+
+    def _poll_reducer(self) -> None:
+        """Records DDP's own timing of a sampled step's all-reduces, one step in REDUCER_SAMPLE_EVERY."""
+        try:
+            record = self._reducer.poll()
+            if record is not None:
+                self.tracker.record(record)
+        except Exception:
+            self._error("collectives")
 
     def _read_now(self, what: str, value: Any) -> float | None:
         """A float now if it can be had without waiting on the device; else queue it."""
@@ -622,21 +668,22 @@ class Monitor:
         last: dict[str, float] = {}
         nbytes: dict[str, int] = {}
         for rec in tracker.drain():
-            m.coll_duration[rec.op].observe(rec.duration)
+            m.collective(rec.op).duration.observe(rec.duration)
             last[rec.op] = rec.duration
             nbytes[rec.op] = nbytes.get(rec.op, 0) + rec.nbytes
         for op, v in last.items():
-            m.coll_last[op].set(v)
+            m.collective(op).last.set(v)
         for op, n in nbytes.items():
-            m.coll_bytes[op].inc(n)
+            m.collective(op).bytes.inc(n)
         in_flight = tracker.in_flight()
         if in_flight:
             self._maybe_dump_flight_recorder(min(in_flight.values()))
         for op in set(in_flight) | set(self._in_flight_published):
             since = in_flight.get(op, 0.0)
             if self._in_flight_published.get(op) != since:
-                m.coll_in_flight[op].set(1.0 if since else 0.0)
-                m.coll_started[op].set(since)
+                series = m.collective(op)
+                series.in_flight.set(1.0 if since else 0.0)
+                series.started.set(since)
                 if since:
                     self._in_flight_published[op] = since
                 else:

@@ -13,7 +13,7 @@ auto-started exporter):
 * explicit all-reduce: ``rankscope_collective_duration_seconds{op="all_reduce"}``
   (the increase over the phase) against ``perf_counter`` around each blocking
   ``dist.all_reduce`` (4 MiB, after a barrier);
-* DDP buckets: the comm hook's per-bucket durations (summed per step) against
+* DDP buckets (``comm_timing="hook"``): the comm hook's per-bucket durations (summed per step) against
   the reducer's own ``backward_comm_time`` (DDP runtime logging, C++ timers,
   first bucket launch to last completion) -- different definitions, printed
   for orientation, not expected to match.
@@ -80,7 +80,9 @@ def worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    monitor = Monitor(run="accuracy-bench", metrics_port=args.port)
+    # The hook, to compare per-bucket timing with DDP's own timers (which the
+    # default on CPU, comm_timing="reducer", reports as they are).
+    monitor = Monitor(run="accuracy-bench", metrics_port=args.port, comm_timing="hook")
     url = f"http://127.0.0.1:{args.port}/metrics"
     me = {"rank": str(rank)}
     torch.manual_seed(0)

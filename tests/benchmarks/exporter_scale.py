@@ -2,11 +2,13 @@
 
     .venv/bin/python tests/benchmarks/exporter_scale.py            # 2, 8 and 64 ranks
     .venv/bin/python tests/benchmarks/exporter_scale.py --quick    # 2 and 8 ranks, few scrapes
+    .venv/bin/python tests/benchmarks/exporter_scale.py --ops all  # ranks that use every collective op
 
 The per-rank files are real: a "rank farm" process forks one live process per
 rank; each builds ``training.metrics.RankMetrics`` with its identity (every
 catalog series, bound as the Monitor binds them, plus two user gauges as the
-reference trainer declares), writes values into every family, registers with
+reference trainer declares), uses the collective ops given by ``--ops``
+(all_reduce, as a DDP job, by default), writes values into every family, registers with
 ``training.registration.Registration``, and then beats (heartbeat, last step,
 one more step) once a second so the exporter sees progressing ranks. The
 exporter is the real one (``python -m exporter``, NVML off), scraped back to
@@ -39,25 +41,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 8, 64])
     p.add_argument("--scrapes", type=int, default=0, help="scrapes per size (default: 100, 50, 20 by size)")
     p.add_argument("--quick", action="store_true", help="2 and 8 ranks, 5 scrapes: a smoke run")
-    p.add_argument("--ops", nargs="+", default=None, metavar="OP",
-                   help="bind only these collective ops in each rank (what-if for lazy per-op binding; "
-                        "default: every op, as RankMetrics does today)")
+    p.add_argument("--ops", nargs="+", default=["all_reduce"], metavar="OP",
+                   help="collective ops each rank uses (default: all_reduce, as a DDP job; "
+                        "'--ops all' for every op, the worst case)")
     p.add_argument("--farm", type=int, help=argparse.SUPPRESS)
     p.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.ops == ["all"]:
+        from training.catalog import COLLECTIVE_OPS
+
+        args.ops = list(COLLECTIVE_OPS)
     if args.quick:
         args.ranks, args.scrapes = [r for r in args.ranks if r <= 8] or [2], 5
     return args
 
 
 # -- the rank farm ----------------------------------------------------------------------------
-def farm(n: int, run_dir: Path, ops: list[str] | None = None) -> int:
+def farm(n: int, run_dir: Path, ops: list[str]) -> int:
     """Fork ``n`` rank processes, print READY when all have written, exit (killing them) on stdin EOF."""
-    from training import catalog
     from training.metrics import RankMetrics  # noqa: F401  (imported once, shared by the forks)
-
-    if ops:  # RankMetrics binds a child per op in catalog.COLLECTIVE_OPS: narrow it for the what-if
-        catalog.COLLECTIVE_OPS = tuple(ops)
     from training.registration import Registration, process_start_ticks  # noqa: F401
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -68,7 +70,7 @@ def farm(n: int, run_dir: Path, ops: list[str] | None = None) -> int:
         if pid == 0:
             os.close(ready_r)
             try:
-                _rank_process(rank, n, run_dir, ready_w)
+                _rank_process(rank, n, run_dir, ready_w, ops)
             except BaseException:
                 import traceback
 
@@ -91,7 +93,7 @@ def farm(n: int, run_dir: Path, ops: list[str] | None = None) -> int:
     return 0
 
 
-def _rank_process(rank: int, world: int, run_dir: Path, ready_w: int) -> None:
+def _rank_process(rank: int, world: int, run_dir: Path, ready_w: int, ops: list[str]) -> None:
     from training import catalog
     from training.catalog import MetricSpec
     from training.metrics import RankMetrics
@@ -129,13 +131,12 @@ def _rank_process(rank: int, world: int, run_dir: Path, ready_w: int) -> None:
         g.set(v)
     for child in (*m.nonfinite.values(), m.loss_spikes, m.grad_spikes, m.ooms, m.alloc_retries, m.spans_dropped):
         child.inc(0)
-    for op in catalog.COLLECTIVE_OPS:
+    for op in ops:
+        series = m.collective(op)
         for d in (0.0003, 0.004, 0.02):
-            m.coll_duration[op].observe(d)
-        m.coll_last[op].set(0.004)
-        m.coll_bytes[op].inc(2**22)
-        m.coll_in_flight[op].set(0)
-        m.coll_started[op].set(0)
+            series.duration.observe(d)
+        series.last.set(0.004)
+        series.bytes.inc(2**22)
     for g, v in ((m.mem_allocated, 2**33), (m.mem_reserved, 2**34), (m.mem_peak, 2**34), (m.mem_total, 2**36),
                  (m.rss, 2**31), (m.mem_limit, 2**37)):
         g.set(v)
@@ -170,7 +171,7 @@ def http_get(port: int, path: str) -> bytes:
 
 
 # -- the benchmark -----------------------------------------------------------------------------
-def measure(n: int, scrapes: int, ops: list[str] | None = None) -> dict:
+def measure(n: int, scrapes: int, ops: list[str]) -> dict:
     from tests.helpers.jobs import free_port, parse, wait_until
 
     tmp = Path(tempfile.mkdtemp(prefix="rankscope-scale-"))
@@ -178,7 +179,7 @@ def measure(n: int, scrapes: int, ops: list[str] | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     farm_proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--farm", str(n), "--dir", str(run_dir),
-                                  *(["--ops", *ops] if ops else [])],
+                                  "--ops", *ops],
                                  cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     exporter = None
     try:
@@ -279,7 +280,7 @@ def main(argv=None) -> int:
                      f"{r['bytes'] / 1024:.0f}", f"{r['progressing']}/{r['ranks']}", f"{r['merge_ms']:.0f}",
                      f"{r['render_ms']:.0f}"])
     print("rankscope node exporter at scale (live rank processes, back-to-back scrapes, "
-          + (f"what-if: only {', '.join(args.ops)} bound per rank)" if args.ops else "full metric set)"))
+          + f"every catalog series, collective ops used: {', '.join(args.ops)})")
     print(table(["ranks", "scrapes", "p50 ms", "p99 ms", "p50 target ms", "exporter CPU ms/scrape",
                  "RSS MB (peak)", "series served", "series per rank", "KiB", "progressing", "merge ms", "render ms"], rows))
     print("merge ms / render ms: CPU of the exporter's collect() (read + merge the mmap files, derive states) and of\n"
@@ -294,7 +295,7 @@ def main(argv=None) -> int:
           f"~{per_rank * fleet_gpus + 1024 * (last['series'] - last['rank_series']):,.0f} rank series")
     targets_met = rss_ok and all(r["p50_ms"] <= 1000 * TARGET_P50_S[r["ranks"]]
                                  for r in results if r["ranks"] in TARGET_P50_S)
-    emit_json({"benchmark": "exporter_scale", "ops": args.ops or "all", "results": results, "targets_met": targets_met,
+    emit_json({"benchmark": "exporter_scale", "ops": args.ops, "results": results, "targets_met": targets_met,
                "series_per_rank": per_rank, "machine": machine()})
     return 0
 

@@ -116,7 +116,7 @@ def test_instrumented_ddp_step_adds_no_device_sync(nccl_group, monitor):
     monitor._publish()
     m = monitor.metrics
     assert m.steps._value.get() >= 20
-    timed = sum(b.get() for b in m.coll_duration["all_reduce"]._buckets)
+    timed = sum(b.get() for b in m.collective("all_reduce").duration._buckets)
     assert timed >= 20      # every bucket of every step timed by CUDA events
     assert m.mem_total._value.get() > 0 and m.mem_peak._value.get() > 0
     assert m.loss._value.get() > 0 and m.nonfinite["loss"]._value.get() == 0

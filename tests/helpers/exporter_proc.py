@@ -53,8 +53,7 @@ while True:
     m.step_duration.observe(0.05)
     m.step_ts.set(now)
     m.loss.set(1.0 / (step + 1))
-    for op in m.coll_duration:
-        m.coll_duration[op].observe(0.01)
+    m.collective("all_reduce").duration.observe(0.01)
     step += 1
     time.sleep(0.1)
 """

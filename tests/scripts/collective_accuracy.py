@@ -44,12 +44,14 @@ def main() -> None:
         dist.broadcast(small, src=0)
     with monitor.collective("barrier"):
         dist.barrier()
-    ops = sorted({r.op: r.nbytes for r in monitor.tracker.drain()}.items())
+    monitor.close()   # publishes what the publisher thread has not yet
+    ops = sorted((s.labels["op"], s.value) for metric in monitor.metrics.registry.collect()
+                 if metric.name == "rankscope_collective_bytes" for s in metric.samples
+                 if s.name.endswith("_total") and s.labels["op"] != "all_reduce")
     # One file per rank: two ranks printing to one pipe can interleave their lines.
     out = os.path.join(os.environ["RESULTS_DIR"], f"rank-{dist.get_rank()}.json")
     with open(out, "w") as f:
         json.dump({"rank": dist.get_rank(), "pairs": pairs, "ops": ops}, f)
-    monitor.close()
     dist.destroy_process_group()
 
 
