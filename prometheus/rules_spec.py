@@ -125,7 +125,10 @@ ALERTS: tuple[Alert, ...] = (
           "> <<loss_trend_rise_ratio>> * avg_over_time(rankscope_loss{SEL}[<<loss_trend_window>>])\n"
           "and (max_over_time(rankscope_learning_rate{SEL}[<<loss_trend_window>>])"
           " - min_over_time(rankscope_learning_rate{SEL}[<<loss_trend_window>>]))\n"
-          "<= <<lr_flat_tolerance_ratio>> * max_over_time(rankscope_learning_rate{SEL}[<<loss_trend_window>>])",
+          "<= <<lr_flat_tolerance_ratio>> * max_over_time(rankscope_learning_rate{SEL}[<<loss_trend_window>>])\n"
+          # A fit over a mostly empty window extrapolates batch noise into a trend
+          # (a young run's plateau "rises" by its noise x window/history).
+          "and rankscope_loss{SEL} offset <<loss_trend_min_history>>",
           "warning",
           "Loss rising in run {{ $labels.run }} with a flat learning rate",
           "In " + WHO + ", the loss rose by {{ printf `%.3g` $value }} over the last <<loss_trend_window>> "
