@@ -319,3 +319,28 @@ def test_interpreter_exit_is_not_delayed_by_a_black_hole(how):
     last = float(proc.stdout.split("last-line")[1])
     # The SDK's handler would take 30 s; 5 s leaves room for a loaded machine.
     assert exited - last < 5.0, f"exit took {exited - last:.1f}s after the last line"
+
+
+def test_slow_steps_are_traced_above_a_floor(tmp_path, monkeypatch):
+    """A step 3x the running median is traced as slow_step, unless it is under
+    1 ms: µs-scale steps jitter by more than 3x and would flood the collector."""
+    from training.monitor import Monitor
+
+    with OtlpReceiver() as receiver:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        monkeypatch.setenv("RANKSCOPE_TRACE_EVERY", "1000000")   # only step 0 is sampled
+        monitor = Monitor(exporter="off", metrics_dir=tmp_path, run="slow-steps", publish_interval_s=60)
+        # a 0.8 ms step 40x a 20 µs median is under the floor; a 1.5 ms one is not
+        durations = [0.00002] * 30 + [0.0008] + [0.00002] * 5 + [0.0015]
+        for seconds in durations:
+            with monitor.step():
+                end = time.perf_counter() + seconds
+                while time.perf_counter() < end:
+                    pass
+        monitor.close()
+        spans = receiver.wait_for_spans(lambda s: sum(x.name == ROOT_SPAN for x in s) >= 2, timeout=10)
+        time.sleep(0.3)  # anything else would have come in the same export
+        roots = {s.attributes[ATTR_STEP]: s.attributes.get(ATTR_ANOMALY, "")
+                 for s in receiver.spans() if s.name == ROOT_SPAN}
+    assert roots == {0: "", durations.index(0.0015): "slow_step"}, roots

@@ -17,6 +17,12 @@ the same loop without it (the timing harness: two ``perf_counter`` calls and
 a generator step). The background publisher and span threads run as they do
 in training, and the cyclic GC is on. Then cProfile shows where the training
 thread's time goes.
+
+A trivial step runs the API with hot caches. Right after real tensor work the
+same Python runs several times slower (its code and data were evicted), so a
+third configuration, ``real step``, measures the API around a 3x512 MLP step
+(one thread, no DDP): bare and instrumented steps of the *same* model alternate
+in ABBA order, and the mean paired difference is the API's cost there.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import itertools
 import json
 import os
 import pstats
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, emit_json, loadavg, machine, percentile, table  # noqa: E402
+from common import REPO, emit_json, loadavg, machine, mean_ci, percentile, table  # noqa: E402
 
 TARGET_UNSAMPLED_US = 25.0
 TARGET_SAMPLED_US = 150.0
@@ -47,16 +54,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30_000)
     p.add_argument("--profile-steps", type=int, default=5_000)
     p.add_argument("--quick", action="store_true", help="3,000 steps: a smoke run, not a measurement")
-    p.add_argument("--child", choices=["off", "on"], help=argparse.SUPPRESS)
+    p.add_argument("--real-pairs", type=int, default=4_000, help="ABBA pairs of the real-step configuration")
+    p.add_argument("--child", choices=["off", "on", "real"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.profile_steps = min(args.steps, 3_000), 1_000
+        args.steps, args.profile_steps, args.real_pairs = min(args.steps, 3_000), 1_000, 200
     return args
 
 
 # -- child: one configuration ------------------------------------------------------------
 def child(args: argparse.Namespace) -> int:
     from training.monitor import Monitor
+
+    if args.child == "real":
+        return real_child(args)
 
     monitor = Monitor(run=f"api-cost-{args.child}", exporter="off")
     perf = time.perf_counter
@@ -113,6 +124,61 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
+def real_child(args: argparse.Namespace) -> int:
+    """The API around a real compute step, ABBA against the same step bare."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from training.monitor import Monitor
+
+    torch.set_num_threads(1)
+    monitor = Monitor(run="api-cost-real", exporter="off")
+    h = 512
+    model = nn.Sequential(nn.Linear(h, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, h))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x, y = torch.randn(64, h), torch.randn(64, h)
+    batches = monitor.data(itertools.repeat((x, y)))
+    plain = itertools.repeat((x, y))
+
+    def bare() -> None:
+        xb, yb = next(plain)
+        loss = F.mse_loss(model(xb), yb)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def instrumented() -> None:
+        xb, yb = next(batches)
+        with monitor.step(samples=len(xb)) as s:
+            with s.phase("forward"):
+                loss = F.mse_loss(model(xb), yb)
+            with s.phase("backward"):
+                loss.backward()
+            with s.phase("optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            s.observe(loss=loss.detach(), lr=1e-3)
+
+    perf = time.perf_counter
+    times: tuple[list[float], list[float]] = ([], [])
+    for r in range(50 + args.real_pairs):
+        for i in ((0, 1) if r % 2 else (1, 0)):
+            t0 = perf()
+            (bare, instrumented)[i]()
+            if r >= 50:
+                times[i].append(perf() - t0)
+    monitor.close()
+    diffs = [b - a for a, b in zip(*times)]
+    mean, lo, hi = mean_ci(diffs)
+    base = statistics.fmean(times[0])
+    result = {"pairs": len(diffs), "hidden": h, "bare_mean_ms": 1e3 * base, "diff_us": 1e6 * mean,
+              "ci_us": [1e6 * lo, 1e6 * hi], "frac": mean / base,
+              "median_diff_us": 1e6 * (statistics.median(times[1]) - statistics.median(times[0]))}
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
 def _median_us(values: list[float]) -> float:
     return 1e6 * percentile(values, 50)
 
@@ -137,7 +203,7 @@ def run_child(args: argparse.Namespace, mode: str, endpoint: str | None) -> dict
         env.update(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
                    RANKSCOPE_TRACE_EVERY=str(TRACE_EVERY))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--steps", str(args.steps),
-           "--profile-steps", str(args.profile_steps)]
+           "--profile-steps", str(args.profile_steps), "--real-pairs", str(args.real_pairs)]
     try:
         out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     finally:
@@ -162,6 +228,7 @@ def main(argv=None) -> int:
     with OtlpReceiver() as receiver:
         on = run_child(args, "on", receiver.endpoint)
         spans = len(receiver.spans())
+    real = run_child(args, "real", None)
     rows, figures = [], {}
     for label, res, key, target in (("tracing off, every step", off, "unsampled", TARGET_UNSAMPLED_US),
                                     ("tracing on, unsampled step", on, "unsampled", TARGET_UNSAMPLED_US),
@@ -175,6 +242,14 @@ def main(argv=None) -> int:
     print(f"rankscope API fixed cost per step ({args.steps} steps per configuration, trivial step, GC on)")
     print(table(["configuration", "steps", "harness us", "p50 us", "p90 us", "p99 us", "API cost us (p50 - harness)",
                  "target", ""], rows))
+    print(f"\nThe same API around a real step (3x{real['hidden']} MLP, 1 thread, bare {real['bare_mean_ms']:.2f} ms), "
+          f"{real['pairs']} ABBA pairs:")
+    print(table(["configuration", "pairs", "bare step ms", "mean diff us [95% CI]", "diff / bare step",
+                 "median diff us"],
+                [["real step, tracing off", real["pairs"], f"{real['bare_mean_ms']:.2f}",
+                  f"{real['diff_us']:+.1f} [{real['ci_us'][0]:+.1f}, {real['ci_us'][1]:+.1f}]",
+                  f"{100 * real['frac']:+.2f}%", f"{real['median_diff_us']:+.1f}"]]))
+    figures["real_step"] = real
     print(f"\nspans received by the OTLP receiver: {spans}; load average {load_before} -> {loadavg()}")
     for label, res in (("tracing off", off), ("tracing on (1 step in 10 sampled)", on)):
         print(f"\ncProfile, training thread, {label}: {res['profile_us_per_step']:.1f} us/step under the profiler "
