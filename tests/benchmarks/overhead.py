@@ -1,6 +1,6 @@
 """Overhead of rankscope on a real 2-rank DDP job (gloo, 127.0.0.1).
 
-    .venv/bin/python tests/benchmarks/overhead.py            # 1000 rounds
+    .venv/bin/python tests/benchmarks/overhead.py            # 4000 rounds (~9 min idle)
     .venv/bin/python tests/benchmarks/overhead.py --quick    # 50 rounds, smoke only
 
 Block-wise A/B has about +-5% noise per pair on a shared 2-core machine
@@ -54,7 +54,8 @@ ORDERS = list(itertools.permutations(range(len(VARIANTS))))
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=1000, help="rounds of one step per variant (pairs per comparison)")
+    # 4000: the 95% interval is about +-0.5% of a step here (+-1% at 1000 pairs)
+    p.add_argument("--rounds", type=int, default=4000, help="rounds of one step per variant (pairs per comparison)")
     p.add_argument("--warmup", type=int, default=12, help="rounds discarded at the start")
     p.add_argument("--hidden", type=int, default=1024, help="width of the 3-layer MLP (1024: ~3.1 M parameters)")
     p.add_argument("--batch", type=int, default=64)
