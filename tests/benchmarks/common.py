@@ -117,3 +117,37 @@ def kill_noted_ranks(out_dir: Path) -> None:
             os.kill(int(path.read_text()), signal.SIGKILL)
         except (ValueError, ProcessLookupError, PermissionError):
             pass
+
+
+# -- the training step the benchmarks time ------------------------------------------------
+def mlp(hidden: int):
+    """The benchmarks' model: three hidden x hidden linear layers with ReLUs between."""
+    import torch.nn as nn
+
+    return nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, hidden))
+
+
+def bare_step(model, opt, x, y) -> None:
+    """One MSE training step with no rankscope call."""
+    import torch.nn.functional as F
+
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def monitored_step(monitor, model, opt, x, y, lr: float | None = None) -> None:
+    """The same step through the API a training loop uses: step, three phases, observe."""
+    import torch.nn.functional as F
+
+    with monitor.step(samples=len(x)) as s:
+        with s.phase("forward"):
+            loss = F.mse_loss(model(x), y)
+        with s.phase("backward"):
+            loss.backward()
+        with s.phase("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        s.observe(loss=loss.detach(), lr=lr)

@@ -45,8 +45,8 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO, emit_json, kill_noted_ranks, loadavg, machine, mean_ci, note_rank_pid,  # noqa: E402
-                    proc_cpu_seconds, table)
+from common import (REPO, bare_step, emit_json, kill_noted_ranks, loadavg, machine, mean_ci, mlp,  # noqa: E402
+                    monitored_step, note_rank_pid, proc_cpu_seconds, table)
 
 VARIANTS = ("bare", "full", "hook")
 ORDERS = list(itertools.permutations(range(len(VARIANTS))))
@@ -76,8 +76,6 @@ def worker(args: argparse.Namespace) -> int:
 
     import torch
     import torch.distributed as dist
-    import torch.nn as nn
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from training.collectives import ddp_timing_hook
@@ -90,7 +88,7 @@ def worker(args: argparse.Namespace) -> int:
     monitor = Monitor(run="overhead-bench", metrics_port=args.port)
     torch.manual_seed(0)
     h = args.hidden
-    base = nn.Sequential(nn.Linear(h, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, h))
+    base = mlp(h)
     models = [DDP(copy.deepcopy(base)), monitor.watch(DDP(copy.deepcopy(base))), DDP(copy.deepcopy(base))]
     # One monitor per process: variant C gets the hook that watch() registers with comm_timing="hook".
     models[2].register_comm_hook(None, ddp_timing_hook(monitor.tracker, lambda: None))
@@ -100,28 +98,13 @@ def worker(args: argparse.Namespace) -> int:
     monitored_batches = [None, monitor.data(itertools.repeat(batch)), monitor.data(itertools.repeat(batch))]
     lr = opts[0].param_groups[0]["lr"]
 
-    def bare_step() -> None:
-        x, y = next(plain_batches)
-        model, opt = models[0], opts[0]
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def plain() -> None:
+        bare_step(models[0], opts[0], *next(plain_batches))
 
-    def monitored_step(i: int) -> None:
-        x, y = next(monitored_batches[i])
-        model, opt = models[i], opts[i]
-        with monitor.step(samples=len(x)) as s:
-            with s.phase("forward"):
-                loss = F.mse_loss(model(x), y)
-            with s.phase("backward"):
-                loss.backward()
-            with s.phase("optimizer"):
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            s.observe(loss=loss.detach(), lr=lr)
+    def monitored(i: int) -> None:
+        monitored_step(monitor, models[i], opts[i], *next(monitored_batches[i]), lr=lr)
 
-    steps = [bare_step, lambda: monitored_step(1), lambda: monitored_step(2)]
+    steps = [plain, lambda: monitored(1), lambda: monitored(2)]
     times: list[list[float]] = [[], [], []]
     perf = time.perf_counter
     background = [t for t in threading.enumerate() if t is not threading.main_thread()]
