@@ -1,4 +1,4 @@
-"""``rankscope-exporter`` / ``python -m exporter``: the per-node service."""
+"""``rankscope-exporter`` / ``python -m rankscope.exporter``: the per-node service."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from exporter.collector import NodeCollector
-from exporter.config import ExporterConfig, ExporterConfigError, default_node
-from exporter.server import make_app, serve
-from exporter.webconfig import load_web_config
+from rankscope.exporter.collector import NodeCollector
+from rankscope.exporter.config import ExporterConfig, ExporterConfigError, default_node
+from rankscope.exporter.server import make_app, serve
+from rankscope.exporter.webconfig import load_web_config
 
 log = logging.getLogger("rankscope.exporter")
 
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> ExporterConfig:
-    from training.config import default_metrics_dir
+    from rankscope.config import default_metrics_dir
 
     directory = args.dir or Path(os.environ.get("RANKSCOPE_METRICS_DIR") or default_metrics_dir())
     port = args.port if args.port is not None else int(_env_float("RANKSCOPE_METRICS_PORT", 9400))
@@ -119,7 +119,7 @@ def _prepare_directory(directory: Path) -> None:
 
 def _exit_when_idle(server, cfg: ExporterConfig) -> None:
     """Auto-started exporters go away once every run on the node is over."""
-    from exporter.ranks import RankCollector
+    from rankscope.exporter.ranks import RankCollector
 
     ranks = RankCollector(cfg)
     last_alive = time.time()
@@ -134,6 +134,6 @@ def _exit_when_idle(server, cfg: ExporterConfig) -> None:
 
 
 def _any_rank_alive(ranks) -> bool:
-    from training.registration import load_registrations
+    from rankscope.registration import load_registrations
 
     return any(reg.process_alive() for run_dir in ranks.run_dirs() for reg in load_registrations(run_dir))

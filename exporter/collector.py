@@ -9,11 +9,11 @@ from typing import Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from exporter import __version__
-from exporter.catalog import BY_NAME, RANK_STATES
-from exporter.config import ExporterConfig
-from exporter.nvml import NvmlCollector
-from exporter.ranks import RankCollector
+from rankscope.exporter import __version__
+from rankscope.exporter.catalog import BY_NAME, RANK_STATES
+from rankscope.exporter.config import ExporterConfig
+from rankscope.exporter.nvml import NvmlCollector
+from rankscope.exporter.ranks import RankCollector
 
 log = logging.getLogger("rankscope.exporter")
 

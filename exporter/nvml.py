@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from exporter.catalog import BY_NAME, THROTTLE_REASONS
+from rankscope.exporter.catalog import BY_NAME, THROTTLE_REASONS
 
 log = logging.getLogger("rankscope.exporter")
 

@@ -20,11 +20,11 @@ from typing import Iterable, Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from exporter.catalog import BY_NAME as EXPORTER_SPECS
-from exporter.catalog import RANK_STATES
-from exporter.config import ExporterConfig
-from training.catalog import COLLECTIVE_OPS, EAGER_COLLECTIVE_OPS, IDENTITY_LABELS
-from training.registration import (RANKS_SUBDIR, Registration, latest_per_rank, load_registrations,
+from rankscope.exporter.catalog import BY_NAME as EXPORTER_SPECS
+from rankscope.exporter.catalog import RANK_STATES
+from rankscope.exporter.config import ExporterConfig
+from rankscope.catalog import COLLECTIVE_OPS, EAGER_COLLECTIVE_OPS, IDENTITY_LABELS
+from rankscope.registration import (RANKS_SUBDIR, Registration, latest_per_rank, load_registrations,
                                    process_state)
 
 log = logging.getLogger("rankscope.exporter")

@@ -7,7 +7,7 @@ and / (a landing page).
 Hardening (docs/reliability.md and docs/security.md have the drills):
 
 * Optional TLS, mutual TLS and basic auth from an exporter-toolkit web
-  configuration file (``exporter.webconfig``). Every path is protected.
+  configuration file (``rankscope.exporter.webconfig``). Every path is protected.
 * The TLS handshake runs in the connection's own thread, never in the accept
   loop, so a client that connects and says nothing cannot stall the server.
 * Each connection must deliver its request line and headers within
@@ -37,9 +37,9 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from exporter import __version__
-from exporter.config import ExporterConfig
-from exporter.webconfig import WebConfig
+from rankscope.exporter import __version__
+from rankscope.exporter.config import ExporterConfig
+from rankscope.exporter.webconfig import WebConfig
 
 log = logging.getLogger("rankscope.exporter")
 

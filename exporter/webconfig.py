@@ -42,7 +42,7 @@ from typing import Any
 
 import yaml
 
-from exporter.config import ExporterConfigError
+from rankscope.exporter.config import ExporterConfigError
 
 log = logging.getLogger("rankscope.exporter")
 

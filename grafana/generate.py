@@ -50,7 +50,7 @@ from grafana_foundation_sdk.models.dashboard import (
 )
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
-from exporter.catalog import RANK_STATES
+from rankscope.exporter.catalog import RANK_STATES
 
 DASHBOARDS_DIR = Path(__file__).resolve().parent / "dashboards"
 

@@ -1,7 +1,7 @@
 """Bad configuration drill (issue 9, drill 6): every mistake is one clear
 line at start-up naming the option, a non-zero exit, and no traceback, for
-the exporter (``python -m exporter``) and for the trainer
-(``python -m training.train``, the process torchrun starts per rank).
+the exporter (``python -m rankscope.exporter``) and for the trainer
+(``python -m rankscope.train``, the process torchrun starts per rank).
 
 The trainer cases are started together (each imports torch, seconds apiece
 on a busy 2-core machine) and checked one test each.
@@ -70,7 +70,7 @@ def a_file(tmp_path_factory) -> Path:
 
 # -- the exporter ---------------------------------------------------------------
 def run_exporter(args: list[str], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "exporter", "--no-nvml", *args], cwd=REPO, env=_env(**env),
+    return subprocess.run([sys.executable, "-m", "rankscope.exporter", "--no-nvml", *args], cwd=REPO, env=_env(**env),
                           capture_output=True, text=True, timeout=60)
 
 
@@ -139,7 +139,7 @@ TRAINER_CASES = {
 
 @pytest.fixture(scope="module")
 def trainer_results(tmp_path_factory, a_file, foreign_http_port) -> dict[str, subprocess.CompletedProcess]:
-    """Run every trainer case at once; each is one ``training.train`` process
+    """Run every trainer case at once; each is one ``rankscope.train`` process
     with a one-rank environment. Tracing and the exporter are off unless the
     case is about them, so a bad case cannot start anything that outlives it."""
     fill = {"a_file": str(a_file), "foreign": str(foreign_http_port)}
@@ -150,7 +150,7 @@ def trainer_results(tmp_path_factory, a_file, foreign_http_port) -> dict[str, su
                         MASTER_PORT=str(free_port()), RANKSCOPE_METRICS_DIR=str(metrics_dir),
                         RANKSCOPE_EXPORTER="off", OMP_NUM_THREADS="1")
         full_env.update({k: v.format(**fill) for k, v in env.items()})
-        cmd = [sys.executable, "-m", "training.train", "--steps", "2", "--workers", "0",
+        cmd = [sys.executable, "-m", "rankscope.train", "--steps", "2", "--workers", "0",
                *[a.format(**fill) for a in args]]
         procs[name] = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True)

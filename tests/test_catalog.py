@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter import catalog as exporter_catalog
-from training import catalog
+from rankscope.exporter import catalog as exporter_catalog
+from rankscope import catalog
 
 ALL = catalog.RANK_METRICS + exporter_catalog.EXPORTER_METRICS
 BASE_UNITS = ("seconds", "bytes", "ratio", "celsius", "watts", "joules", "hertz", "total")
@@ -53,7 +53,7 @@ def test_metric_follows_conventions(spec):
 
 
 def test_the_checker_catches_violations():
-    from training.catalog import MetricSpec
+    from rankscope.catalog import MetricSpec
 
     assert check_spec(MetricSpec("rankscope_steps", "counter", "Steps."))
     assert check_spec(MetricSpec("rankscope_step_ms", "gauge", "Step."))
@@ -71,6 +71,6 @@ def test_names_are_unique_and_rank_series_carry_identity():
 
 def test_readme_catalog_is_generated_from_the_catalogs():
     readme = (REPO / "README.md").read_text()
-    assert exporter_catalog.splice(readme) == readme, "run: python -m exporter.catalog --write README.md"
+    assert exporter_catalog.splice(readme) == readme, "run: python -m rankscope.exporter.catalog --write README.md"
     for m in ALL:
         assert f"`{m.name}`" in readme

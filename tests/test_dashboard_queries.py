@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.catalog import RANK_STATES
+from rankscope.exporter.catalog import RANK_STATES
 from tests.helpers.jobs import TrainJob
 from tests.helpers.promstack import PrometheusServer
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from exporter.catalog import EXPORTER_METRICS
+from rankscope.exporter.catalog import EXPORTER_METRICS
 from grafana import generate
-from training.catalog import RANK_METRICS
+from rankscope.catalog import RANK_METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS_DIR = ROOT / "grafana" / "dashboards"

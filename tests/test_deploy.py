@@ -90,7 +90,7 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 def _start_exporter(port: int, directory: Path, command: list[str] | None = None,
                     env: dict[str, str] | None = None) -> subprocess.Popen:
-    command = command or [sys.executable, "-m", "exporter", "--addr", "127.0.0.1", "--port", str(port),
+    command = command or [sys.executable, "-m", "rankscope.exporter", "--addr", "127.0.0.1", "--port", str(port),
                           "--dir", str(directory), "--no-nvml"]
     log_path = directory.parent / f"exporter-{port}.log"   # a file: an undrained pipe could block it
     with open(log_path, "wb") as log:
@@ -163,9 +163,9 @@ def test_compose_runs_the_two_rank_trainer_against_the_exporter_service(compose)
     assert set(services) >= {"exporter", "trainer", "prometheus", "alertmanager", "grafana", "tempo"}
     exporter, trainer = services["exporter"], services["trainer"]
 
-    assert exporter["command"][:9] == ["python", "-m", "exporter", "--addr", "0.0.0.0", "--port", "9400",
+    assert exporter["command"][:9] == ["python", "-m", "rankscope.exporter", "--addr", "0.0.0.0", "--port", "9400",
                                        "--dir", "/metrics"]
-    assert trainer["command"][:6] == ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "training.train"]
+    assert trainer["command"][:6] == ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "rankscope.train"]
     env = trainer["environment"]
     assert env["RANKSCOPE_EXPORTER"] == "external"
     assert env["RANKSCOPE_METRICS_DIR"] == "/metrics"
@@ -535,7 +535,7 @@ def test_slurm_scripts_parse_and_launch_one_exporter_per_node():
     script = (SLURM / "train.sbatch").read_text()
     assert re.search(r"^#SBATCH --nodes=\d+", script, re.M)
     commands = " ".join(script.replace("\\\n", " ").split())
-    assert re.search(r"srun --overlap --nodes=\S+ --ntasks-per-node=1 .*?python -m exporter --addr 0\.0\.0\.0",
+    assert re.search(r"srun --overlap --nodes=\S+ --ntasks-per-node=1 .*?python -m rankscope.exporter --addr 0\.0\.0\.0",
                      commands)
     assert re.search(r"srun --nodes=\S+ --ntasks-per-node=1 .*?torchrun .*--rdzv-id=\"\$SLURM_JOB_ID\" "
                      r"-m training\.train", commands)

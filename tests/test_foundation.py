@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from exporter.catalog import RANK_STATES
+from rankscope.exporter.catalog import RANK_STATES
 from tests.helpers.jobs import TrainJob, select, value, wait_until
-from training import catalog
+from rankscope import catalog
 
 RANKS = ("0", "1")
 # Rank series every rank must export, by base name (histograms via _count).
@@ -30,7 +30,7 @@ def ddp_buckets_per_step(bucket_cap_mb: float = 0.1, hidden: int = 256) -> tuple
 import os, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from training.train import build_model, IN_FEATURES
+from rankscope.train import build_model, IN_FEATURES
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
 model = DDP(build_model({hidden}), bucket_cap_mb={bucket_cap_mb})
 seen = dict()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.server import HEADER_DEADLINE_S, SOCKET_TIMEOUT_S
+from rankscope.exporter.server import HEADER_DEADLINE_S, SOCKET_TIMEOUT_S
 from tests.helpers.exporter_proc import ExporterProcess, SyntheticRanks
 from tests.helpers.jobs import scrape, select, wait_until
 

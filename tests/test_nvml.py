@@ -8,7 +8,7 @@ import types
 
 import pynvml
 
-from exporter.nvml import NvmlCollector
+from rankscope.exporter.nvml import NvmlCollector
 
 
 def fake_nvml(devices: int = 2, fail: set[str] = frozenset()):

@@ -5,7 +5,7 @@ part on two cores) and run in file order: exporter SIGKILLed and restarted,
 a rank SIGSTOPped and continued, a rank SIGKILLed; then a second job reuses
 the directory and run id. Drill 2's "the others keep being served" half, and
 drill 8 (load), use synthetic ranks: real processes writing real rank files
-through ``training.metrics.RankMetrics``. Drills 4 and 5 use one real
+through ``rankscope.metrics.RankMetrics``. Drills 4 and 5 use one real
 Monitor in a single-rank loop.
 
 Every wait polls with a deadline; the only fixed windows are stated
@@ -215,7 +215,7 @@ def test_dead_rank_others_keep_being_served(tmp_path: Path):
 # -- drills 4 and 5: one real Monitor in a loop ----------------------------------
 RANK_LOOP = r"""
 import sys, time
-from training.monitor import Monitor
+from rankscope.monitor import Monitor
 m = Monitor(run=sys.argv[1], exporter="off")
 new_series = sys.argv[2] == "new-series"
 events = m.counter("drill_events_total", "One series per step: every step creates a new series.", labels=("n",))

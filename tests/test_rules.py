@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from exporter.catalog import EXPORTER_METRICS
+from rankscope.exporter.catalog import EXPORTER_METRICS
 from prometheus import generate
 from prometheus.rules_spec import ALERTS, RECORDING_RULES
-from training.catalog import RANK_METRICS
+from rankscope.catalog import RANK_METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
 PROM = ROOT / "prometheus"

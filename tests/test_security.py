@@ -209,7 +209,7 @@ def test_bad_web_config_is_a_start_up_error(tmp_path: Path, doc: dict, expected:
     """Expectation: a web configuration mistake stops the exporter at start-up
     (exit 2) with one line naming --web-config and the field; no traceback."""
     cfg = web_config(tmp_path / "web.yml", **doc)
-    proc = subprocess.run([sys.executable, "-m", "exporter", "--port", "1", "--dir", str(tmp_path / "m"),
+    proc = subprocess.run([sys.executable, "-m", "rankscope.exporter", "--port", "1", "--dir", str(tmp_path / "m"),
                            "--no-nvml", "--web-config", str(cfg)], cwd=REPO, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2, proc.stderr
@@ -219,7 +219,7 @@ def test_bad_web_config_is_a_start_up_error(tmp_path: Path, doc: dict, expected:
 
 LABEL_PROGRAM = r"""
 import sys
-from training.monitor import Monitor
+from rankscope.monitor import Monitor
 m = Monitor(run=sys.argv[1], exporter="off")
 note = m.gauge("drill_note", "A label value with every character that needs escaping.", labels=("note",))
 note.set(1.0, note=sys.argv[2])

@@ -1,4 +1,4 @@
-"""training.tracing on its own: configuration, trace ids, sampling, span
+"""rankscope.tracing on its own: configuration, trace ids, sampling, span
 shape against a real OTLP/gRPC receiver, and behaviour against dead
 collectors (closed port, black hole). No training job here: see
 test_tracing.py for the 2-rank torchrun tests."""
@@ -18,11 +18,11 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from tests.helpers.otlp_receiver import BlackHole, OtlpReceiver, closed_port_endpoint
-from training.collectives import CollectiveRecord
-from training.config import ConfigError
-from training.identity import RankIdentity
-from training.records import PhaseRecord, StepRecord
-from training.tracing import (ATTR_ANOMALY, ATTR_BUCKET, ATTR_BYTES, ATTR_OP, ATTR_PHASE, ATTR_RANK,
+from rankscope.collectives import CollectiveRecord
+from rankscope.config import ConfigError
+from rankscope.identity import RankIdentity
+from rankscope.records import PhaseRecord, StepRecord
+from rankscope.tracing import (ATTR_ANOMALY, ATTR_BUCKET, ATTR_BYTES, ATTR_OP, ATTR_PHASE, ATTR_RANK,
                               ATTR_REASON, ATTR_STEP, ROOT_SPAN, Tracing, TracingConfig, build_tracing,
                               count_spans, step_trace_id)
 
@@ -293,9 +293,9 @@ def test_submit_after_shutdown_is_counted_not_queued():
 
 EXIT_SCRIPT = textwrap.dedent("""
     import sys, time
-    from training.identity import RankIdentity
-    from training.records import StepRecord, PhaseRecord
-    from training.tracing import build_tracing
+    from rankscope.identity import RankIdentity
+    from rankscope.records import StepRecord, PhaseRecord
+    from rankscope.tracing import build_tracing
     ident = RankIdentity(run="exit", rank=0, local_rank=0, world_size=1, local_world_size=1, node="n")
     tracing = build_tracing(ident, lambda: None, env={"OTEL_EXPORTER_OTLP_ENDPOINT": sys.argv[1]})
     t = time.time()
@@ -324,7 +324,7 @@ def test_interpreter_exit_is_not_delayed_by_a_black_hole(how):
 def test_slow_steps_are_traced_above_a_floor(tmp_path, monkeypatch):
     """A step 3x the running median is traced as slow_step, unless it is under
     1 ms: µs-scale steps jitter by more than 3x and would flood the collector."""
-    from training.monitor import Monitor
+    from rankscope.monitor import Monitor
 
     with OtlpReceiver() as receiver:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)

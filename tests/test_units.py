@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from exporter.config import ExporterConfig
-from exporter.ranks import RankView, derive_states
-from training.collectives import CollectiveTracker
-from training.config import ConfigError, MonitorConfig
-from training.health import GradNormTracker, LossTracker
-from training.identity import RankIdentity
-from training.registration import (Registration, db_file_pid, latest_per_rank, load_registrations,
+from rankscope.exporter.config import ExporterConfig
+from rankscope.exporter.ranks import RankView, derive_states
+from rankscope.collectives import CollectiveTracker
+from rankscope.config import ConfigError, MonitorConfig
+from rankscope.health import GradNormTracker, LossTracker
+from rankscope.identity import RankIdentity
+from rankscope.registration import (Registration, db_file_pid, latest_per_rank, load_registrations,
                                    process_start_ticks, remove_previous_launch, run_slug)
 
 # -- configuration ---------------------------------------------------------------
@@ -241,8 +241,8 @@ def test_host_collectives_in_flight_and_bounded_buffer():
 
 def test_cuda_phases_come_from_events_read_later(tmp_path, monkeypatch):
     """The CUDA path of a step, with events that complete when the test says so."""
-    from training.collectives import EventPool
-    from training.monitor import Monitor
+    from rankscope.collectives import EventPool
+    from rankscope.monitor import Monitor
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
@@ -286,7 +286,7 @@ def test_reducer_mode_without_ddp_timers_fails_at_watch(tmp_path, monkeypatch):
     release drops it, watch() says so at start-up instead of failing mid-run."""
     import torch
 
-    from training.monitor import Monitor
+    from rankscope.monitor import Monitor
 
     class DdpWithoutTimers(torch.nn.Linear):   # has DDP's public hook API, not its logging API
         def register_comm_hook(self, state, hook):

@@ -1,6 +1,6 @@
 """rankscope's rank side: the instrumentation API a training loop calls.
 
-``from training import Monitor`` is the whole public surface for most users;
+``from rankscope import Monitor`` is the whole public surface for most users;
 the submodules (catalog, config, ...) import nothing heavy, so that the
 exporter and tools can read the metric catalog without importing torch.
 """
@@ -15,11 +15,11 @@ __all__ = ["Monitor", "MonitorConfig", "ConfigError", "__version__"]
 
 def __getattr__(name: str) -> Any:
     if name == "Monitor":
-        from training.monitor import Monitor
+        from rankscope.monitor import Monitor
 
         return Monitor
     if name in ("MonitorConfig", "ConfigError"):
-        from training import config
+        from rankscope import config
 
         return getattr(config, name)
     raise AttributeError(name)

@@ -12,7 +12,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from training.config import ConfigError
+from rankscope.config import ConfigError
 
 
 @dataclass(frozen=True)

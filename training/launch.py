@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from training.config import ConfigError, MonitorConfig
+from rankscope.config import ConfigError, MonitorConfig
 
 HEALTH_PATH = "/healthz"
 START_TIMEOUT_S = 20.0
@@ -66,7 +66,7 @@ def _start(config: MonitorConfig) -> dict:
     config.metrics_dir.mkdir(parents=True, exist_ok=True)
     log_path = config.metrics_dir / "exporter.log"
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    cmd = [sys.executable, "-m", "exporter", "--addr", config.metrics_addr, "--port", str(config.metrics_port),
+    cmd = [sys.executable, "-P", "-m", "rankscope.exporter", "--addr", config.metrics_addr, "--port", str(config.metrics_port),
            "--dir", str(config.metrics_dir), "--exit-when-idle", str(IDLE_EXIT_S)]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,

@@ -20,10 +20,10 @@ from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 
-from training import catalog
-from training.catalog import MetricSpec
-from training.config import ConfigError
-from training.mmapfile import ReservedMmapedDict
+from rankscope import catalog
+from rankscope.catalog import MetricSpec
+from rankscope.config import ConfigError
+from rankscope.mmapfile import ReservedMmapedDict
 
 _value_classes: dict[Path, type] = {}
 _lock = threading.RLock()  # re-entrant: children may be created while creating others

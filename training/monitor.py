@@ -1,6 +1,6 @@
 """The instrumentation API a training loop calls.
 
-    from training import Monitor
+    from rankscope import Monitor
 
     monitor = Monitor()                                   # reads torchrun's environment
     model = monitor.watch(DDP(model))                     # times every gradient bucket
@@ -35,17 +35,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
 
-from training import catalog
-from training.catalog import MetricSpec
-from training.collectives import CollectiveTracker, ReducerTimers, check_op, ddp_timing_hook, tensor_nbytes
-from training.config import ConfigError, MonitorConfig
-from training.health import GradNormTracker, LossTracker
-from training.identity import RankIdentity
-from training.memory import MemorySampler
-from training.metrics import RankMetrics
-from training.records import PhaseRecord, StepRecord
-from training.registration import Registration, process_start_ticks, remove_previous_launch, run_slug
-from training.tracing import Tracing, build_tracing
+from rankscope import catalog
+from rankscope.catalog import MetricSpec
+from rankscope.collectives import CollectiveTracker, ReducerTimers, check_op, ddp_timing_hook, tensor_nbytes
+from rankscope.config import ConfigError, MonitorConfig
+from rankscope.health import GradNormTracker, LossTracker
+from rankscope.identity import RankIdentity
+from rankscope.memory import MemorySampler
+from rankscope.metrics import RankMetrics
+from rankscope.records import PhaseRecord, StepRecord
+from rankscope.registration import Registration, process_start_ticks, remove_previous_launch, run_slug
+from rankscope.tracing import Tracing, build_tracing
 
 log = logging.getLogger("rankscope")
 
@@ -209,7 +209,7 @@ class Monitor:
         except OSError as e:
             raise ConfigError(f"metrics_dir: cannot create metric files in {self.run_dir}: {e.strerror or e}") from None
         if self.config.exporter != "off" and self.identity.local_rank == 0:
-            from training.launch import ensure_exporter
+            from rankscope.launch import ensure_exporter
 
             ensure_exporter(self.config)
         self.tracker = CollectiveTracker(self.identity.world_size, _cuda_event_factory(device))
@@ -283,7 +283,7 @@ class Monitor:
                 nccl = ".".join(map(str, torch.cuda.nccl.version()))
         except Exception:
             nccl = ""
-        from training import __version__
+        from rankscope import __version__
 
         info = {
             "world_size": str(self.identity.world_size), "local_world_size": str(self.identity.local_world_size),

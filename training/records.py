@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from training.collectives import CollectiveRecord
+from rankscope.collectives import CollectiveRecord
 
 
 @dataclass(slots=True)

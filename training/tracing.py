@@ -45,9 +45,9 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
-from training.config import ConfigError
-from training.identity import RankIdentity
-from training.records import StepRecord
+from rankscope.config import ConfigError
+from rankscope.identity import RankIdentity
+from rankscope.records import StepRecord
 
 log = logging.getLogger("rankscope")
 

@@ -1,6 +1,6 @@
 """The reference job: a real DDP training run, instrumented with rankscope.
 
-    torchrun --standalone --nproc-per-node 2 -m training.train --steps 600 --metrics-port 9400
+    torchrun --standalone --nproc-per-node 2 -m rankscope.train --steps 600 --metrics-port 9400
 
 A student MLP learns to imitate a fixed random "teacher" network on synthetic
 data: the loss falls within a minute on two CPU cores, and a periodic
@@ -27,8 +27,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from training.config import ConfigError
-from training.monitor import Monitor
+from rankscope.config import ConfigError
+from rankscope.monitor import Monitor
 
 IN_FEATURES, CLASSES = 32, 10
 

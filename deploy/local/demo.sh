@@ -31,4 +31,4 @@ else
     echo "(install prometheus and prometheus-alertmanager to also get Prometheus and Alertmanager here)"
 fi
 echo "Node metrics: http://127.0.0.1:$PORT/metrics   (curl -s 127.0.0.1:$PORT/metrics | grep rankscope_step_)"
-.venv/bin/torchrun --standalone --nproc-per-node 2 -m training.train --steps "$STEPS" --metrics-port "$PORT" "$@"
+.venv/bin/torchrun --standalone --nproc-per-node 2 -m rankscope.train --steps "$STEPS" --metrics-port "$PORT" "$@"

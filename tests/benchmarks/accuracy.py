@@ -73,7 +73,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from training.monitor import Monitor
+    from rankscope.monitor import Monitor
 
     note_rank_pid(args.out)
     torch.set_num_threads(1)

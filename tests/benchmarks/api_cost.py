@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # -- child: one configuration ------------------------------------------------------------
 def child(args: argparse.Namespace) -> int:
-    from training.monitor import Monitor
+    from rankscope.monitor import Monitor
 
     if args.child == "real":
         return real_child(args)
@@ -129,7 +129,7 @@ def real_child(args: argparse.Namespace) -> int:
     """The API around a real compute step, ABBA against the same step bare."""
     import torch
 
-    from training.monitor import Monitor
+    from rankscope.monitor import Monitor
 
     torch.set_num_threads(1)
     monitor = Monitor(run="api-cost-real", exporter="off")

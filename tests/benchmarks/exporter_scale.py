@@ -5,13 +5,13 @@
     .venv/bin/python tests/benchmarks/exporter_scale.py --ops all  # ranks that use every collective op
 
 The per-rank files are real: a "rank farm" process forks one live process per
-rank; each builds ``training.metrics.RankMetrics`` with its identity (every
+rank; each builds ``rankscope.metrics.RankMetrics`` with its identity (every
 catalog series, bound as the Monitor binds them, plus two user gauges as the
 reference trainer declares), uses the collective ops given by ``--ops``
 (all_reduce, as a DDP job, by default), writes values into every family, registers with
-``training.registration.Registration``, and then beats (heartbeat, last step,
+``rankscope.registration.Registration``, and then beats (heartbeat, last step,
 one more step) once a second so the exporter sees progressing ranks. The
-exporter is the real one (``python -m exporter``, NVML off), scraped back to
+exporter is the real one (``python -m rankscope.exporter``, NVML off), scraped back to
 back over HTTP from this process.
 """
 
@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.ops == ["all"]:
-        from training.catalog import COLLECTIVE_OPS
+        from rankscope.catalog import COLLECTIVE_OPS
 
         args.ops = list(COLLECTIVE_OPS)
     if args.quick:
@@ -59,8 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 # -- the rank farm ----------------------------------------------------------------------------
 def farm(n: int, run_dir: Path, ops: list[str]) -> int:
     """Fork ``n`` rank processes, print READY when all have written, exit (killing them) on stdin EOF."""
-    from training.metrics import RankMetrics  # noqa: F401  (imported once, shared by the forks)
-    from training.registration import Registration, process_start_ticks  # noqa: F401
+    from rankscope.metrics import RankMetrics  # noqa: F401  (imported once, shared by the forks)
+    from rankscope.registration import Registration, process_start_ticks  # noqa: F401
 
     run_dir.mkdir(parents=True, exist_ok=True)
     ready_r, ready_w = os.pipe()
@@ -94,10 +94,10 @@ def farm(n: int, run_dir: Path, ops: list[str]) -> int:
 
 
 def _rank_process(rank: int, world: int, run_dir: Path, ready_w: int, ops: list[str]) -> None:
-    from training import catalog
-    from training.catalog import MetricSpec
-    from training.metrics import RankMetrics
-    from training.registration import Registration, process_start_ticks
+    from rankscope import catalog
+    from rankscope.catalog import MetricSpec
+    from rankscope.metrics import RankMetrics
+    from rankscope.registration import Registration, process_start_ticks
 
     parent = os.getppid()
     ident = {"run": RUN, "rank": str(rank), "local_rank": str(rank), "node": NODE}
@@ -187,7 +187,7 @@ def measure(n: int, scrapes: int, ops: list[str]) -> dict:
         if line != "READY":
             raise RuntimeError(f"rank farm: {line!r}")
         port = free_port()
-        exporter = subprocess.Popen([sys.executable, "-m", "exporter", "--port", str(port), "--dir", str(tmp),
+        exporter = subprocess.Popen([sys.executable, "-m", "rankscope.exporter", "--port", str(port), "--dir", str(tmp),
                                      "--no-nvml", "--node", NODE, "--log-level", "WARNING"],
                                     cwd=REPO, env=env, stdin=subprocess.DEVNULL)
 
@@ -235,8 +235,8 @@ def breakdown(directory: Path, repeats: int) -> tuple[float, float]:
     from prometheus_client.exposition import generate_latest
     from prometheus_client.registry import Collector
 
-    from exporter.collector import NodeCollector
-    from exporter.config import ExporterConfig
+    from rankscope.exporter.collector import NodeCollector
+    from rankscope.exporter.config import ExporterConfig
 
     collector = NodeCollector(ExporterConfig(directory=directory, node=NODE, nvml=False))
 

@@ -78,8 +78,8 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from training.collectives import ddp_timing_hook
-    from training.monitor import Monitor
+    from rankscope.collectives import ddp_timing_hook
+    from rankscope.monitor import Monitor
 
     note_rank_pid(args.out)
     torch.set_num_threads(1)  # 2 ranks share 2 cores

@@ -44,7 +44,7 @@ def nccl_group(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def monitor(nccl_group):
-    from training.monitor import Monitor
+    from rankscope.monitor import Monitor
 
     m = Monitor(device=torch.device("cuda", 0), backend="nccl", run="gpu-check", publish_interval_s=0.2)
     yield m
@@ -123,7 +123,7 @@ def test_instrumented_ddp_step_adds_no_device_sync(nccl_group, monitor):
 
 
 def test_nvml_readings_are_sane():
-    from exporter.nvml import NvmlCollector
+    from rankscope.exporter.nvml import NvmlCollector
 
     collector = NvmlCollector(node="gpu-node")
     assert collector.available, collector.error

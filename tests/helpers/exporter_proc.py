@@ -1,12 +1,12 @@
-"""A real exporter process (``python -m exporter``) and synthetic rank processes, for tests.
+"""A real exporter process (``python -m rankscope.exporter``) and synthetic rank processes, for tests.
 
     with ExporterProcess(metrics_dir) as exp:        # free port, waits for /healthz
         scrape(exp.url)
     with SyntheticRanks(metrics_dir, n=8) as ranks:   # 8 processes writing real rank files
         ...
 
-Synthetic ranks are real processes that create ``training.metrics.RankMetrics``
-and a ``training.registration.Registration`` exactly as a Monitor does, and
+Synthetic ranks are real processes that create ``rankscope.metrics.RankMetrics``
+and a ``rankscope.registration.Registration`` exactly as a Monitor does, and
 then step: no torch, so eight of them start in a second on two cores.
 Everything started here is killed by pid on exit.
 """
@@ -26,9 +26,9 @@ from tests.helpers.jobs import REPO, free_port, wait_until
 SYNTHETIC_RANK = r"""
 import os, sys, time
 from pathlib import Path
-from training.catalog import RANK_INFO_LABELS
-from training.metrics import RankMetrics
-from training.registration import Registration, process_start_ticks, run_slug
+from rankscope.catalog import RANK_INFO_LABELS
+from rankscope.metrics import RankMetrics
+from rankscope.registration import Registration, process_start_ticks, run_slug
 
 metrics_dir, run, rank, world = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 run_dir = metrics_dir / run_slug(run)
@@ -72,7 +72,7 @@ def kill(proc: subprocess.Popen | None) -> None:
 
 
 class ExporterProcess:
-    """``python -m exporter --port P --dir D [args]``, waited for until it answers."""
+    """``python -m rankscope.exporter --port P --dir D [args]``, waited for until it answers."""
 
     def __init__(self, metrics_dir: Path, args: list[str] = (), port: int | None = None,
                  env: dict[str, str] | None = None, scheme: str = "http", ready=None):
@@ -94,7 +94,7 @@ class ExporterProcess:
         return f"{self.base}/metrics"
 
     def start(self) -> "ExporterProcess":
-        cmd = [sys.executable, "-m", "exporter", "--port", str(self.port), "--dir", str(self.metrics_dir),
+        cmd = [sys.executable, "-m", "rankscope.exporter", "--port", str(self.port), "--dir", str(self.metrics_dir),
                "--no-nvml", *self.args]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,

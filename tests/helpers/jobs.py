@@ -95,7 +95,7 @@ class TrainJob:
     @property
     def command(self) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.nproc),
-                "-m", "training.train", "--steps", str(self.steps), "--metrics-port", str(self.port),
+                "-m", "rankscope.train", "--steps", str(self.steps), "--metrics-port", str(self.port),
                 "--run-id", self.run_id, *self.extra_args]
 
     def __enter__(self) -> "TrainJob":
@@ -181,7 +181,7 @@ class TrainJob:
 
     def rank_pids(self) -> dict[int, int]:
         """rank -> pid of its newest process, from the registrations."""
-        from training.registration import latest_per_rank, load_registrations
+        from rankscope.registration import latest_per_rank, load_registrations
 
         out: dict[int, int] = {}
         for run_dir in self.metrics_dir.glob(f"*/ranks"):

@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from training.monitor import Monitor
+from rankscope.monitor import Monitor
 
 CALLS = int(os.environ.get("CALLS", "25"))
 
