@@ -1,15 +1,15 @@
 """Every metric the node exporter derives itself (rank liveness and state,
 per-GPU NVML readings, its own health).
 
-The rank-written metrics are in ``rankscope.catalog``; together the two
+The rank-written metrics are in ``rankscope.contract.catalog``; together the two
 modules are the whole metric-name contract.
 """
 
 from __future__ import annotations
 
-from rankscope.catalog import MetricSpec
+from rankscope.contract.catalog import MetricSpec
 
-# Rank states, one-hot in rankscope_rank_state (DESIGN.md, "Rank state").
+# Rank states, one-hot in rankscope_rank_state (docs/design.md, "Rank states").
 RANK_STATES: tuple[str, ...] = (
     "starting",             # registered, no step completed yet, not stuck
     "progressing",          # steps complete
@@ -89,7 +89,7 @@ BY_NAME: dict[str, MetricSpec] = {m.name: m for m in EXPORTER_METRICS}
 
 def markdown() -> str:
     """The metric catalog as README tables (``python -m rankscope.exporter.catalog --write README.md``)."""
-    from rankscope.catalog import IDENTITY_LABELS, RANK_METRICS
+    from rankscope.contract.catalog import IDENTITY_LABELS, RANK_METRICS
 
     ident = ", ".join(IDENTITY_LABELS)
     lines = [f"Written by every rank (labels {ident}, plus those listed):", "",

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> ExporterConfig:
-    from rankscope.config import default_metrics_dir
+    from rankscope.contract.rundir import default_metrics_dir
 
     directory = args.dir or Path(os.environ.get("RANKSCOPE_METRICS_DIR") or default_metrics_dir())
     port = args.port if args.port is not None else int(_env_float("RANKSCOPE_METRICS_PORT", 9400))
@@ -134,6 +134,6 @@ def _exit_when_idle(server, cfg: ExporterConfig) -> None:
 
 
 def _any_rank_alive(ranks) -> bool:
-    from rankscope.registration import load_registrations
+    from rankscope.contract.rundir import load_registrations
 
     return any(reg.process_alive() for run_dir in ranks.run_dirs() for reg in load_registrations(run_dir))

@@ -23,8 +23,8 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from rankscope.exporter.catalog import BY_NAME as EXPORTER_SPECS
 from rankscope.exporter.catalog import RANK_STATES
 from rankscope.exporter.config import ExporterConfig
-from rankscope.catalog import COLLECTIVE_OPS, EAGER_COLLECTIVE_OPS, IDENTITY_LABELS
-from rankscope.registration import (RANKS_SUBDIR, Registration, latest_per_rank, load_registrations,
+from rankscope.contract.catalog import COLLECTIVE_OPS, EAGER_COLLECTIVE_OPS, IDENTITY_LABELS
+from rankscope.contract.rundir import (RANKS_SUBDIR, Registration, latest_per_rank, load_registrations,
                                    process_state)
 
 log = logging.getLogger("rankscope.exporter")

@@ -8,7 +8,7 @@ fills from prometheus/thresholds.yaml:
 - ``{SEL}`` / ``{SEL,label="v"}`` is a metric's matcher list with the
   configured ``selector`` (e.g. ``job="rankscope"``) put in front.
 
-Only metric names from rankscope.catalog and rankscope.exporter.catalog (plus Prometheus's
+Only metric names from rankscope.contract.catalog and rankscope.exporter.catalog (plus Prometheus's
 own ``up``) may appear; tests/test_rules.py checks it.
 """
 

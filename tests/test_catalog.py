@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rankscope.exporter import catalog as exporter_catalog
-from rankscope import catalog
+from rankscope.contract import catalog
 
 ALL = catalog.RANK_METRICS + exporter_catalog.EXPORTER_METRICS
 BASE_UNITS = ("seconds", "bytes", "ratio", "celsius", "watts", "joules", "hertz", "total")
@@ -53,7 +53,7 @@ def test_metric_follows_conventions(spec):
 
 
 def test_the_checker_catches_violations():
-    from rankscope.catalog import MetricSpec
+    from rankscope.contract.catalog import MetricSpec
 
     assert check_spec(MetricSpec("rankscope_steps", "counter", "Steps."))
     assert check_spec(MetricSpec("rankscope_step_ms", "gauge", "Step."))

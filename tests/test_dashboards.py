@@ -24,7 +24,7 @@ import yaml
 
 from rankscope.exporter.catalog import EXPORTER_METRICS
 from grafana import generate
-from rankscope.catalog import RANK_METRICS
+from rankscope.contract.catalog import RANK_METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS_DIR = ROOT / "grafana" / "dashboards"

@@ -13,7 +13,7 @@ import pytest
 
 from rankscope.exporter.catalog import RANK_STATES
 from tests.helpers.jobs import TrainJob, select, value, wait_until
-from rankscope import catalog
+from rankscope.contract import catalog
 
 RANKS = ("0", "1")
 # Rank series every rank must export, by base name (histograms via _count).

@@ -15,7 +15,7 @@ import yaml
 from rankscope.exporter.catalog import EXPORTER_METRICS
 from prometheus import generate
 from prometheus.rules_spec import ALERTS, RECORDING_RULES
-from rankscope.catalog import RANK_METRICS
+from rankscope.contract.catalog import RANK_METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
 PROM = ROOT / "prometheus"

@@ -25,7 +25,7 @@ from contextlib import ExitStack
 import pytest
 
 from tests.helpers.jobs import TrainJob
-from rankscope.registration import process_state
+from rankscope.contract.rundir import process_state
 from tests.helpers.otlp_receiver import BlackHole, OtlpReceiver, closed_port_endpoint
 from rankscope.tracing import (ATTR_ANOMALY, ATTR_BUCKET, ATTR_BYTES, ATTR_OP, ATTR_PHASE, ATTR_RANK,
                               ATTR_REASON, ATTR_STEP, ROOT_SPAN, step_trace_id)

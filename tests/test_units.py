@@ -17,7 +17,7 @@ from rankscope.collectives import CollectiveTracker
 from rankscope.config import ConfigError, MonitorConfig
 from rankscope.health import GradNormTracker, LossTracker
 from rankscope.identity import RankIdentity
-from rankscope.registration import (Registration, db_file_pid, latest_per_rank, load_registrations,
+from rankscope.contract.rundir import (Registration, db_file_pid, latest_per_rank, load_registrations,
                                    process_start_ticks, remove_previous_launch, run_slug)
 
 # -- configuration ---------------------------------------------------------------

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from rankscope.catalog import COLLECTIVE_OPS
+from rankscope.contract.catalog import COLLECTIVE_OPS
 
 MAX_PENDING = 4096  # completed-but-unpublished records kept before dropping
 

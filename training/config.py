@@ -7,29 +7,18 @@ before training starts, never later.
 
 from __future__ import annotations
 
-import os
-import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
+
+from rankscope.contract import environment
+from rankscope.contract.environment import DEFAULT_ADDR, DEFAULT_PORT, ConfigError
+from rankscope.contract.rundir import default_metrics_dir
+
+__all__ = ["MonitorConfig", "ConfigError"]
 
 COMM_TIMING_MODES = ("auto", "hook", "reducer", "off")
 EXPORTER_MODES = ("auto", "external", "off")
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong. The message names the option."""
-
-
-def default_metrics_dir() -> Path:
-    """Node-wide directory the ranks and the exporter share.
-
-    /dev/shm keeps the mmap files in memory; it exists on Linux and in most
-    containers (Kubernetes gives it 64 MiB by default, enough for ~100 ranks).
-    """
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return base / f"rankscope-{os.getuid()}"
 
 
 @dataclass(frozen=True)
@@ -42,8 +31,8 @@ class MonitorConfig:
     """Directory shared with the node exporter (one sub-directory per run)."""
     exporter: str = "auto"
     """auto: start the node exporter if none serves metrics_port; external: expect one; off: write files only."""
-    metrics_port: int = 9400
-    metrics_addr: str = "127.0.0.1"
+    metrics_port: int = DEFAULT_PORT
+    metrics_addr: str = DEFAULT_ADDR
     publish_interval_s: float = 0.5
     """How often the background thread beats and publishes buffered values."""
     loss_window: int = 100
@@ -88,34 +77,9 @@ class MonitorConfig:
             raise ConfigError(f"metrics_dir: {self.metrics_dir} exists and is not a directory")
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> "MonitorConfig":
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "MonitorConfig":
         """Explicit arguments win over ``RANKSCOPE_*`` variables, which win over defaults."""
-        env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            var = "RANKSCOPE_" + f.name.upper()
-            if f.name in overrides and overrides[f.name] is not None:
-                values[f.name] = overrides[f.name]
-            elif env.get(var, "") != "":
-                values[f.name] = _parse(var, env[var], f.type)
-        unknown = set(overrides) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ConfigError(f"unknown option(s): {', '.join(sorted(unknown))}")
-        if "metrics_dir" in values:
-            values["metrics_dir"] = Path(values["metrics_dir"])
-        return cls(**values)
-
-
-def _parse(var: str, raw: str, typ: Any) -> Any:
-    typ = str(typ)
-    try:
-        if "int" in typ:
-            return int(raw)
-        if "float" in typ:
-            return float(raw)
-    except ValueError:
-        raise ConfigError(f"{var}={raw!r} is not a number") from None
-    return raw
+        return environment.from_env(cls, env, **overrides)
 
 
 def _valid_label_value(value: str) -> bool:

@@ -9,10 +9,10 @@ variables) in pods whose name is HOSTNAME.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
+from typing import Mapping
 
-from rankscope.config import ConfigError
+from rankscope.contract.environment import ConfigError, default_node, env_value
 
 
 @dataclass(frozen=True)
@@ -32,12 +32,12 @@ class RankIdentity:
         return {"run": self.run, "rank": str(self.rank), "local_rank": str(self.local_rank), "node": self.node}
 
     @classmethod
-    def from_env(cls, run: str | None = None, env: dict[str, str] | None = None) -> "RankIdentity":
+    def from_env(cls, run: str | None = None, env: Mapping[str, str] | None = None) -> "RankIdentity":
         env = os.environ if env is None else env
-        rank = _int(env, "RANK", "SLURM_PROCID", default=0)
-        world = _int(env, "WORLD_SIZE", "SLURM_NTASKS", default=1)
-        local_rank = _int(env, "LOCAL_RANK", "SLURM_LOCALID", default=0)
-        local_world = _int(env, "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", default=world)
+        rank = env_value(env, ("RANK", "SLURM_PROCID"), int, 0)
+        world = env_value(env, ("WORLD_SIZE", "SLURM_NTASKS"), int, 1)
+        local_rank = env_value(env, ("LOCAL_RANK", "SLURM_LOCALID"), int, 0)
+        local_world = env_value(env, ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"), int, world)
         if not 0 <= rank < world:
             raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}")
         if not 0 <= local_rank < max(local_world, 1):
@@ -45,8 +45,7 @@ class RankIdentity:
         slurm_job = env.get("SLURM_JOB_ID", "")
         pod = env.get("POD_NAME", "") or (env.get("HOSTNAME", "") if "KUBERNETES_SERVICE_HOST" in env else "")
         run_id = run or env.get("RANKSCOPE_RUN") or _elastic_run_id(env) or slurm_job or env.get("JOB_NAME") or "default"
-        node = (env.get("RANKSCOPE_NODE") or env.get("SLURMD_NODENAME") or env.get("NODE_NAME")
-                or socket.gethostname())
+        node = default_node(env)
         return cls(run=run_id, rank=rank, local_rank=local_rank, world_size=world,
                    local_world_size=local_world, node=node, slurm_job_id=slurm_job, k8s_pod=pod)
 
@@ -55,13 +54,3 @@ def _elastic_run_id(env: dict[str, str]) -> str:
     run_id = env.get("TORCHELASTIC_RUN_ID", "")
     return "" if run_id in ("", "none") else run_id
 
-
-def _int(env: dict[str, str], *names: str, default: int) -> int:
-    for name in names:
-        raw = env.get(name, "")
-        if raw != "":
-            try:
-                return int(raw)
-            except ValueError:
-                raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    return default

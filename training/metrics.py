@@ -20,8 +20,8 @@ from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 
-from rankscope import catalog
-from rankscope.catalog import MetricSpec
+from rankscope.contract import catalog
+from rankscope.contract.catalog import MetricSpec
 from rankscope.config import ConfigError
 from rankscope.mmapfile import ReservedMmapedDict
 

@@ -35,8 +35,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
 
-from rankscope import catalog
-from rankscope.catalog import MetricSpec
+from rankscope.contract import catalog
+from rankscope.contract.catalog import MetricSpec
 from rankscope.collectives import CollectiveTracker, ReducerTimers, check_op, ddp_timing_hook, tensor_nbytes
 from rankscope.config import ConfigError, MonitorConfig
 from rankscope.health import GradNormTracker, LossTracker
@@ -44,7 +44,7 @@ from rankscope.identity import RankIdentity
 from rankscope.memory import MemorySampler
 from rankscope.metrics import RankMetrics
 from rankscope.records import PhaseRecord, StepRecord
-from rankscope.registration import Registration, process_start_ticks, remove_previous_launch, run_slug
+from rankscope.contract.rundir import Registration, process_start_ticks, remove_previous_launch, run_slug
 from rankscope.tracing import Tracing, build_tracing
 
 log = logging.getLogger("rankscope")

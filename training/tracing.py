@@ -27,7 +27,7 @@ Why each piece:
   it has room for: spans handed over minus spans the exporter has been given
   is what the queue holds. Spans that do not fit are dropped and counted here.
 * The SDK's own shutdown paths wait 30 s or more on a dead collector
-  (../shared/reference/perf.md). The exporter gets a 1 s timeout, the
+  (docs/performance.md). The exporter gets a 1 s timeout, the
   provider is built with ``shutdown_on_exit=False`` and ``shutdown`` runs the
   SDK shutdown in a helper thread that is waited on for at most ``timeout_s``;
   after that deadline the exporter wrapper fails batches at once.
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
-from rankscope.config import ConfigError
+from rankscope.contract.environment import ConfigError, env_value
 from rankscope.identity import RankIdentity
 from rankscope.records import StepRecord
 
@@ -176,28 +176,16 @@ def _check_url(var: str, url: str) -> None:
 
 
 def _positive_int(env: Mapping[str, str], var: str, default: int) -> int:
-    raw = env.get(var, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{var}={raw!r} is not an integer") from None
+    value = env_value(env, var, int, default)
     if value < 1:
-        raise ConfigError(f"{var}={raw!r} must be >= 1")
+        raise ConfigError(f"{var}={value!r} must be >= 1")
     return value
 
 
 def _positive_float(env: Mapping[str, str], var: str, default: float) -> float:
-    raw = env.get(var, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{var}={raw!r} is not a number") from None
+    value = env_value(env, var, float, default)
     if not value > 0:
-        raise ConfigError(f"{var}={raw!r} must be > 0")
+        raise ConfigError(f"{var}={value!r} must be > 0")
     return value
 
 

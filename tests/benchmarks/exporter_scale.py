@@ -9,7 +9,7 @@ rank; each builds ``rankscope.metrics.RankMetrics`` with its identity (every
 catalog series, bound as the Monitor binds them, plus two user gauges as the
 reference trainer declares), uses the collective ops given by ``--ops``
 (all_reduce, as a DDP job, by default), writes values into every family, registers with
-``rankscope.registration.Registration``, and then beats (heartbeat, last step,
+``rankscope.contract.rundir.Registration``, and then beats (heartbeat, last step,
 one more step) once a second so the exporter sees progressing ranks. The
 exporter is the real one (``python -m rankscope.exporter``, NVML off), scraped back to
 back over HTTP from this process.
@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.ops == ["all"]:
-        from rankscope.catalog import COLLECTIVE_OPS
+        from rankscope.contract.catalog import COLLECTIVE_OPS
 
         args.ops = list(COLLECTIVE_OPS)
     if args.quick:
@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def farm(n: int, run_dir: Path, ops: list[str]) -> int:
     """Fork ``n`` rank processes, print READY when all have written, exit (killing them) on stdin EOF."""
     from rankscope.metrics import RankMetrics  # noqa: F401  (imported once, shared by the forks)
-    from rankscope.registration import Registration, process_start_ticks  # noqa: F401
+    from rankscope.contract.rundir import Registration, process_start_ticks  # noqa: F401
 
     run_dir.mkdir(parents=True, exist_ok=True)
     ready_r, ready_w = os.pipe()
@@ -94,10 +94,10 @@ def farm(n: int, run_dir: Path, ops: list[str]) -> int:
 
 
 def _rank_process(rank: int, world: int, run_dir: Path, ready_w: int, ops: list[str]) -> None:
-    from rankscope import catalog
-    from rankscope.catalog import MetricSpec
+    from rankscope.contract import catalog
+    from rankscope.contract.catalog import MetricSpec
     from rankscope.metrics import RankMetrics
-    from rankscope.registration import Registration, process_start_ticks
+    from rankscope.contract.rundir import Registration, process_start_ticks
 
     parent = os.getppid()
     ident = {"run": RUN, "rank": str(rank), "local_rank": str(rank), "node": NODE}

@@ -6,7 +6,7 @@
         ...
 
 Synthetic ranks are real processes that create ``rankscope.metrics.RankMetrics``
-and a ``rankscope.registration.Registration`` exactly as a Monitor does, and
+and a ``rankscope.contract.rundir.Registration`` exactly as a Monitor does, and
 then step: no torch, so eight of them start in a second on two cores.
 Everything started here is killed by pid on exit.
 """
@@ -26,9 +26,9 @@ from tests.helpers.jobs import REPO, free_port, wait_until
 SYNTHETIC_RANK = r"""
 import os, sys, time
 from pathlib import Path
-from rankscope.catalog import RANK_INFO_LABELS
+from rankscope.contract.catalog import RANK_INFO_LABELS
 from rankscope.metrics import RankMetrics
-from rankscope.registration import Registration, process_start_ticks, run_slug
+from rankscope.contract.rundir import Registration, process_start_ticks, run_slug
 
 metrics_dir, run, rank, world = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 run_dir = metrics_dir / run_slug(run)

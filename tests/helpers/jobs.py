@@ -181,7 +181,7 @@ class TrainJob:
 
     def rank_pids(self) -> dict[int, int]:
         """rank -> pid of its newest process, from the registrations."""
-        from rankscope.registration import latest_per_rank, load_registrations
+        from rankscope.contract.rundir import latest_per_rank, load_registrations
 
         out: dict[int, int] = {}
         for run_dir in self.metrics_dir.glob(f"*/ranks"):

@@ -1,6 +1,6 @@
-"""The per-run directory a rank shares with its node exporter.
+"""The node's metrics directory and the per-run directory a rank shares with its node exporter.
 
-Layout, under the node's metrics directory::
+Layout, under the node's metrics directory (``default_metrics_dir()``)::
 
     <run-slug>/                 one per training run
         counter_<pid>.db ...    prometheus_client multiprocess files, one set per rank process
@@ -19,11 +19,23 @@ import hashlib
 import json
 import os
 import re
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 RANKS_SUBDIR = "ranks"
+
+
+def default_metrics_dir() -> Path:
+    """Node-wide directory the ranks and the exporter share.
+
+    /dev/shm keeps the mmap files in memory; it exists on Linux and in most
+    containers (Kubernetes gives it 64 MiB by default, enough for ~100 ranks).
+    """
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"rankscope-{os.getuid()}"
 
 
 def run_slug(run: str) -> str:

@@ -1,7 +1,7 @@
 """Every metric a rank writes: name, type, help, labels.
 
-This module is the rank side of the metric-name contract (DESIGN.md,
-"Metric names"). Rules, dashboards and tests refer only to names defined here
+This module is the rank side of the metric-name contract (docs/design.md,
+"The contract"). Rules, dashboards and tests refer only to names defined here
 or in ``rankscope.exporter.catalog``; ``tests/test_catalog.py`` enforces it.
 
 It imports nothing heavy (no torch, no prometheus_client) so that the exporter,

@@ -1,0 +1,13 @@
+"""What the ranks and the node exporter agree on, and nothing else.
+
+* ``catalog``: every metric a rank writes (name, type, help, labels, buckets);
+* ``rundir``: the node's metrics directory, the per-run directory layout and
+  the rank registration file the exporter reads to tell live from dead;
+* ``environment``: the ``RANKSCOPE_*`` settings reader, shared defaults
+  (port, address) and the node name.
+
+The exporter imports only this package from the rank side
+(``tests/test_package.py`` enforces it), so the two can change independently
+as long as this contract holds. Nothing here imports torch or
+prometheus_client.
+"""
