@@ -241,36 +241,38 @@ def test_host_collectives_in_flight_and_bounded_buffer():
 
 def test_cuda_phases_come_from_events_read_later(tmp_path, monkeypatch):
     """The CUDA path of a step, with events that complete when the test says so."""
-    from rankscope.collectives import EventPool
-    from rankscope.monitor import Monitor
+    from rankscope import monitor as monitor_module
+    from rankscope.comm_timing import HookTiming
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    monitor = Monitor(exporter="off", metrics_dir=tmp_path, run="cuda-path", backend="nccl", publish_interval_s=60)
+    events: list[FakeEvent] = []
+
+    def factory():
+        events.append(FakeEvent())
+        return events[-1]
+
+    monkeypatch.setattr(monitor_module, "_cuda_event_factory", lambda device: factory)   # the CUDA wiring
+    monitor = monitor_module.Monitor(exporter="off", metrics_dir=tmp_path, run="cuda-path", backend="nccl",
+                                     publish_interval_s=60)
     try:
-        events: list[FakeEvent] = []
-
-        def factory():
-            events.append(FakeEvent())
-            return events[-1]
-
-        monitor.tracker.events = monitor._step.events = EventPool(factory)
+        hook = monitor.comm = monitor.steps.comm = HookTiming(monitor.tracker, lambda: None)   # as watch() sets it
         with monitor.step(samples=4) as step:
             with step.phase("forward"):
                 time.sleep(0.01)
             with step.phase("backward"):
                 bucket = monitor.tracker.begin_device("all_reduce", 4096, bucket=0)
-                monitor.tracker.last_device_bucket = bucket
+                hook.last_device_span = bucket
                 time.sleep(0.02)
                 monitor.tracker.end_device(bucket)
-        monitor._publish()
+        monitor.publisher.publish()
         phase = monitor.metrics.phase
         assert phase["forward"]._value.get() == 0                 # nothing read before the GPU is done
-        assert len(monitor._pending_device_steps) == 1
+        assert monitor.device_reads.ready_steps() == []
         for e in events:
             e.done = True
-        monitor._publish()
-        assert not monitor._pending_device_steps
+        monitor.publisher.publish()
+        assert not monitor.device_reads._steps
         forward, backward, comm = (phase[p]._value.get() for p in ("forward", "backward", "comm_wait"))
         assert forward >= 0.01
         assert comm == pytest.approx(bucket.duration) and comm >= 0.02   # last bucket: the exposed wait

@@ -1,8 +1,9 @@
-"""rankscope's rank side: the instrumentation API a training loop calls.
+"""rankscope: per-rank telemetry for PyTorch distributed training.
 
-``from rankscope import Monitor`` is the whole public surface for most users;
-the submodules (catalog, config, ...) import nothing heavy, so that the
-exporter and tools can read the metric catalog without importing torch.
+``from rankscope import Monitor`` is the whole public surface for most users.
+Names are imported lazily, so that ``import rankscope`` (and the node
+exporter, ``rankscope.exporter``, and the contract it shares with the ranks,
+``rankscope.contract``) does not import torch.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Monitor", "MonitorConfig", "ConfigError", "__version__"]
+__all__ = ["Monitor", "MonitorConfig", "ConfigError", "UsageError", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,8 +19,16 @@ def __getattr__(name: str) -> Any:
         from rankscope.monitor import Monitor
 
         return Monitor
-    if name in ("MonitorConfig", "ConfigError"):
-        from rankscope import config
+    if name == "MonitorConfig":
+        from rankscope.config import MonitorConfig
 
-        return getattr(config, name)
+        return MonitorConfig
+    if name == "ConfigError":
+        from rankscope.contract.environment import ConfigError
+
+        return ConfigError
+    if name == "UsageError":
+        from rankscope.errors import UsageError
+
+        return UsageError
     raise AttributeError(name)

@@ -91,10 +91,6 @@ class CollectiveTracker:
         self._device: deque[_DeviceSpan] = deque()
         self.events = EventPool(event_factory) if event_factory else None   # CUDA only
         self._drain_lock = threading.Lock()
-        # Timing of the current step's DDP buckets (for the exposed wait).
-        self.last_bucket_launch = 0.0   # perf_counter of the latest bucket launch
-        self.last_bucket_done = 0.0     # perf_counter of the latest bucket completion
-        self.last_device_bucket: _DeviceSpan | None = None   # CUDA: the latest bucket launched
 
     # -- host (wall clock) ------------------------------------------------
     def begin(self, op: str) -> tuple[int, float, float]:
@@ -147,7 +143,7 @@ class CollectiveTracker:
 
     # -- shared -----------------------------------------------------------
     def record(self, record: CollectiveRecord) -> None:
-        """A collective timed elsewhere (see ReducerTimers)."""
+        """A collective timed elsewhere (see comm_timing.ReducerTimers)."""
         self._record(record)
 
     def _record(self, record: CollectiveRecord) -> None:
@@ -192,95 +188,3 @@ def tensor_nbytes(tensors: Iterable[Any]) -> int:
 def check_op(op: str) -> None:
     if op not in COLLECTIVE_OPS:
         raise ValueError(f"collective op {op!r} is not one of {', '.join(COLLECTIVE_OPS)}")
-
-
-REDUCER_SAMPLE_EVERY = 10   # steps between reads of DDP's own communication timers
-
-
-class ReducerTimers:
-    """DDP's own communication timers, read instead of timing through a comm hook.
-
-    On CPU any comm hook costs 3-5% of a DDP step (DDP then stops fusing the
-    gradient division into its bucket copy; docs/performance.md). DDP already
-    times its backward communication in C++ on sampled iterations: from the
-    first bucket's launch to the last bucket's completion. This reads those
-    timers on one step in ``every`` (about 8 us a read), on the training
-    thread: the data is not safe to read from another one. Durations and
-    bytes both cover the sampled steps only.
-    """
-
-    def __init__(self, ddp_model: Any, every: int = REDUCER_SAMPLE_EVERY):
-        self.model = ddp_model
-        self.every = every
-        ddp_model._set_ddp_runtime_logging_sample_rate(every)
-        data = ddp_model._get_ddp_logging_data()   # private API: fails here, at start-up, if it is gone
-        self.bytes_per_step = int(data["total_parameter_size_bytes"]) - int(data.get("unused_parameter_size", 0))
-        self.exposed = 0.0        # seconds the last sampled backward waited for communication after its compute
-        self._steps = 0
-        self._last_iteration = -1
-
-    def poll(self) -> CollectiveRecord | None:
-        """Call once per step: a record of the latest sampled iteration, once, or None.
-
-        DDP computes a sampled iteration's figures at the next forward, so the
-        read is made mid-way between samples, when the latest one is surely in."""
-        self._steps += 1
-        if self._steps % self.every != self.every // 2:
-            return None
-        data = self.model._get_ddp_logging_data()
-        iteration = data.get("iteration", -1)
-        comm_ns = data.get("backward_comm_time")
-        if comm_ns is None or iteration == self._last_iteration:
-            return None
-        self._last_iteration = iteration
-        compute_end = data.get("backward_compute_time_end", 0)
-        comm_end = data.get("backward_comm_time_end", 0)
-        self.exposed = max(comm_end - compute_end, 0) / 1e9 if compute_end and comm_end else 0.0
-        # Bytes go with the timed steps only, so that bytes / seconds stays a bandwidth.
-        return CollectiveRecord("all_reduce", self.bytes_per_step, data.get("backward_comm_time_start", 0) / 1e9,
-                                comm_ns / 1e9)
-
-
-def ddp_timing_hook(tracker: CollectiveTracker, on_error: Callable[[], None]):
-    """A DDP comm hook that all-reduces each bucket exactly as DDP's default
-    (divide by world size, sum) and times it.
-
-    Registering any Python hook replaces DDP's fused C++ division with the
-    explicit ``div_`` below: that pass is the hook's main cost on CPU
-    (see README, Performance).
-    """
-    import torch.distributed as dist
-
-    def hook(process_group, bucket):
-        group = process_group if process_group is not None else dist.group.WORLD
-        buf = bucket.buffer()
-        buf.div_(group.size())
-        nbytes = buf.numel() * buf.element_size()
-        index = bucket.index()
-        tracker.last_bucket_launch = time.perf_counter()
-        if buf.is_cuda:
-            span = tracker.begin_device("all_reduce", nbytes, index)
-            tracker.last_device_bucket = span
-            fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
-
-            def done(f):
-                try:
-                    tracker.end_device(span)
-                except Exception:  # telemetry must never fail the backward pass
-                    on_error()
-                return f.value()[0]
-        else:
-            token, t0, start = tracker.begin("all_reduce")
-            fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
-
-            def done(f):
-                try:
-                    tracker.end(token, "all_reduce", nbytes, t0, start, index)
-                    tracker.last_bucket_done = time.perf_counter()
-                except Exception:
-                    on_error()
-                return f.value()[0]
-
-        return fut.then(done)
-
-    return hook

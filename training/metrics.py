@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, valu
 
 from rankscope.contract import catalog
 from rankscope.contract.catalog import MetricSpec
-from rankscope.config import ConfigError
+from rankscope.contract.environment import ConfigError
 from rankscope.mmapfile import ReservedMmapedDict
 
 _value_classes: dict[Path, type] = {}
@@ -121,14 +121,16 @@ class RankMetrics:
             self.rss = b("rankscope_host_memory_rss_bytes")
             self.mem_limit = b("rankscope_host_memory_limit_bytes")
             self.spans_dropped = b("rankscope_spans_dropped_total")
-            self._errors_metric = m["rankscope_telemetry_errors_total"]
             self._ident = ident
             self._collectives: dict[str, CollectiveSeries] = {}
             for op in catalog.EAGER_COLLECTIVE_OPS:
                 self.collective(op)
-            self.errors: dict[str, object] = {}
-            for component in ("step", "publisher", "memory", "collectives", "loss", "tracing", "user"):
-                self.telemetry_error(component, 0)
+            # Bound up front, at 0: the first error or drop is then an increase that rate() sees.
+            self.errors = {c: m["rankscope_telemetry_errors_total"].labels(*ident, c)
+                           for c in catalog.ERROR_COMPONENTS}
+            self.drops = {w: m["rankscope_telemetry_dropped_total"].labels(*ident, w) for w in catalog.DROP_REASONS}
+            for child in (*self.errors.values(), *self.drops.values()):
+                child.inc(0)
 
     def collective(self, op: str) -> CollectiveSeries:
         """The series of one collective op, bound on first use.
@@ -162,15 +164,8 @@ class RankMetrics:
         with mmap_values(self.directory):
             self._metrics["rankscope_rank_info"].labels(**self.identity, **info).set(1)
 
-    def telemetry_error(self, component: str, amount: float = 1) -> None:
-        child = self.errors.get(component)
-        if child is None:
-            with mmap_values(self.directory):
-                child = self.errors[component] = self._errors_metric.labels(*self._ident, component)
-        child.inc(amount)
-
     def declare(self, spec: MetricSpec, extra_labels: tuple[str, ...]):
-        """A user metric with the rank's identity labels (see Monitor.custom)."""
+        """A user metric with the rank's identity labels (see rankscope.user_metrics)."""
         with mmap_values(self.directory):
             return build_metric(spec, self.registry, extra_labels)
 

@@ -104,7 +104,7 @@ def child(args: argparse.Namespace) -> int:
     warmup = 200
     api_steps(warmup)
     floor = harness(args.steps)
-    first = monitor._next_step
+    first = monitor.steps.step.number + 1
     times = api_steps(args.steps)
     sampled = [t for i, t in enumerate(times, start=first) if monitor.tracing.enabled and i % TRACE_EVERY == 0]
     unsampled = [t for i, t in enumerate(times, start=first) if not (monitor.tracing.enabled and i % TRACE_EVERY == 0)]

@@ -78,7 +78,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from rankscope.collectives import ddp_timing_hook
+    from rankscope.comm_timing import HookTiming
     from rankscope.monitor import Monitor
 
     note_rank_pid(args.out)
@@ -91,7 +91,7 @@ def worker(args: argparse.Namespace) -> int:
     base = mlp(h)
     models = [DDP(copy.deepcopy(base)), monitor.watch(DDP(copy.deepcopy(base))), DDP(copy.deepcopy(base))]
     # One monitor per process: variant C gets the hook that watch() registers with comm_timing="hook".
-    models[2].register_comm_hook(None, ddp_timing_hook(monitor.tracker, lambda: None))
+    HookTiming(monitor.tracker, lambda: None).attach(models[2])
     opts = [torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for m in models]
     batch = (torch.randn(args.batch, h), torch.randn(args.batch, h))
     plain_batches = itertools.repeat(batch)

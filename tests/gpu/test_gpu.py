@@ -105,15 +105,15 @@ def test_instrumented_ddp_step_adds_no_device_sync(nccl_group, monitor):
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                 step.observe(loss=loss.detach(), grad_norm=norm.detach(), lr=1e-3)
-            monitor._publish()   # the publisher's work (event queries, memory stats) must not sync either
+            monitor.publisher.publish()   # the publisher's work (event queries, memory stats) must not sync either
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     deadline = time.time() + 5
-    while time.time() < deadline and monitor._pending_device_values:
-        monitor._publish()
+    while time.time() < deadline and monitor.device_reads._values:
+        monitor.publisher.publish()
         time.sleep(0.05)
-    monitor._publish()
+    monitor.publisher.publish()
     m = monitor.metrics
     assert m.steps._value.get() >= 20
     timed = sum(b.get() for b in m.collective("all_reduce").duration._buckets)

@@ -35,6 +35,17 @@ COLLECTIVE_OPS: tuple[str, ...] = (
 # which every data-parallel job uses and which read 0 from start-up.
 EAGER_COLLECTIVE_OPS: tuple[str, ...] = ("all_reduce",)
 NONFINITE_WHAT: tuple[str, ...] = ("loss", "grad")
+# Where rankscope's own code failed (rankscope_telemetry_errors_total{component}).
+ERROR_COMPONENTS: tuple[str, ...] = ("step", "publisher", "memory", "collectives", "loss", "tracing", "user")
+# What rankscope had to throw away (rankscope_telemetry_dropped_total{what}).
+DROP_REASONS: dict[str, str] = {
+    "step_duration": "a step's duration (the step is still counted): more steps between two publishes than buffered",
+    "device_value": "a CUDA loss or grad-norm value evicted before the device finished it",
+    "device_step": "a CUDA step's phase timings evicted before the device finished them",
+    "collective": "a completed collective's timing evicted before it was published",
+    "value": "an observed loss, grad_norm or lr that is not a number",
+    "late_value": "a value observed after its step had ended",
+}
 
 # Step times range from ~1 ms (tiny CPU models) to minutes (huge GPU steps).
 STEP_BUCKETS: tuple[float, ...] = (
@@ -156,6 +167,9 @@ RANK_METRICS: tuple[MetricSpec, ...] = (
     _c("rankscope_spans_dropped_total", "Spans dropped or failed to export (queue full, collector down)."),
     _c("rankscope_telemetry_errors_total",
        "Errors inside rankscope's own telemetry, by component; training continued.", ("component",)),
+    _c("rankscope_telemetry_dropped_total",
+       "Values rankscope threw away, by kind (a full buffer, an unreadable or late value); training continued.",
+       ("what",)),
 )
 
 # Names a user-declared metric may not take (see Monitor.custom).

@@ -1,0 +1,236 @@
+"""How a DDP model's gradient all-reduces are timed: one strategy per ``comm_timing`` mode.
+
+Every strategy answers the same three questions for the step accounting:
+
+* ``attach(model)``: set up on ``Monitor.watch()``;
+* ``backward_in_flight``: the collective a rank counts as in flight while its
+  backward phase runs (so a hang inside backward is located), or None;
+* ``exposed_wait(backward_start, backward_end, backward_seconds)``: how much of
+  the step's last backward (host clock) only waited for communication after
+  its compute was done; the step accounting moves it from ``backward`` to
+  ``comm_wait``. Called once per step, after which ``step_ended`` lets the
+  strategy read what it samples.
+
+Strategies:
+
+* ``HookTiming`` (``hook``): a comm hook times every bucket (CUDA events on
+  GPU). On CPU any Python comm hook costs 3-5% of a DDP step, because DDP then
+  stops fusing the gradient division into its bucket copy
+  (docs/performance.md).
+* ``ReducerTiming`` (``reducer``): DDP's own C++ timers, read on one step in
+  ``REDUCER_SAMPLE_EVERY``; no hook, so nothing changes in DDP's backward.
+* ``CommTiming`` (``off``): nothing is timed.
+
+``auto`` is the hook on CUDA and the reducer timers on CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from rankscope.collectives import CollectiveRecord, CollectiveTracker
+from rankscope.contract.environment import ConfigError
+
+REDUCER_SAMPLE_EVERY = 10   # steps between reads of DDP's own communication timers
+
+
+class CommTiming:
+    """The ``off`` strategy, and the interface of the others."""
+
+    mode = "off"
+
+    def __init__(self) -> None:
+        self.model: Any = None
+
+    def attach(self, model: Any) -> None:
+        self.model = model
+
+    @property
+    def backward_in_flight(self) -> str | None:
+        return None
+
+    def step_started(self) -> None:
+        pass
+
+    def exposed_wait(self, backward_start: float, backward_end: float, backward_seconds: float) -> float:
+        return 0.0
+
+    def step_ended(self) -> None:
+        pass
+
+    def last_device_bucket(self) -> Any:
+        """CUDA: the step's last-launched bucket span (its duration bounds the exposed wait)."""
+        return None
+
+
+class HookTiming(CommTiming):
+    """Every bucket timed by a comm hook that all-reduces exactly as DDP's default does."""
+
+    mode = "hook"
+
+    def __init__(self, tracker: CollectiveTracker, on_error: Callable[[], None]):
+        super().__init__()
+        self.tracker = tracker
+        self.on_error = on_error
+        self.last_launch = 0.0        # perf_counter of the step's latest bucket launch (CPU clock)
+        self.last_device_span: Any = None
+
+    def attach(self, model: Any) -> None:
+        super().attach(model)
+        model.register_comm_hook(None, ddp_timing_hook(self))
+
+    def step_started(self) -> None:
+        self.last_launch = 0.0
+        self.last_device_span = None
+
+    def exposed_wait(self, backward_start: float, backward_end: float, backward_seconds: float) -> float:
+        # After the last bucket was launched, backward had no compute left and
+        # only waited for the all-reduces to finish.
+        if backward_start <= self.last_launch <= backward_end:
+            return backward_end - self.last_launch
+        return 0.0
+
+    def last_device_bucket(self) -> Any:
+        return self.last_device_span
+
+
+class ReducerTiming(CommTiming):
+    """DDP's own timers; the all-reduce counted in flight while backward runs.
+
+    Backward inside ``model.no_sync()`` launches no all-reduce, so it is not
+    counted in flight then (DDP clears ``require_backward_grad_sync``)."""
+
+    mode = "reducer"
+
+    def __init__(self, tracker: CollectiveTracker, on_error: Callable[[], None]):
+        super().__init__()
+        self.tracker = tracker
+        self.on_error = on_error
+        self.timers: ReducerTimers | None = None
+
+    def attach(self, model: Any) -> None:
+        super().attach(model)
+        try:
+            self.timers = ReducerTimers(model)
+        except Exception as e:   # DDP's private logging API moved: say so now, not mid-training
+            import torch
+
+            raise ConfigError(f"comm_timing=reducer: cannot read DDP's timers in torch {torch.__version__} ({e!r}); "
+                              "use comm_timing=hook") from None
+
+    @property
+    def backward_in_flight(self) -> str | None:
+        return "all_reduce" if getattr(self.model, "require_backward_grad_sync", True) else None
+
+    def exposed_wait(self, backward_start: float, backward_end: float, backward_seconds: float) -> float:
+        # DDP's timers, from the latest sampled step: an estimate for the others.
+        return min(self.timers.exposed, backward_seconds)
+
+    def step_ended(self) -> None:
+        try:
+            record = self.timers.poll()
+            if record is not None:
+                self.tracker.record(record)
+        except Exception:
+            self.on_error()
+
+
+def choose(mode: str, model: Any, tracker: CollectiveTracker, on_error: Callable[[], None]) -> CommTiming:
+    """The strategy for ``mode`` (one of config.COMM_TIMING_MODES), attached to ``model``."""
+    if mode != "off" and not hasattr(model, "register_comm_hook"):
+        raise ConfigError("watch(): expected a DistributedDataParallel model")
+    if mode == "auto":
+        mode = "hook" if any(p.is_cuda for p in model.parameters()) else "reducer"
+    strategy = {"off": CommTiming, "hook": HookTiming, "reducer": ReducerTiming}[mode]
+    timing = strategy() if strategy is CommTiming else strategy(tracker, on_error)
+    timing.attach(model)
+    return timing
+
+
+class ReducerTimers:
+    """DDP's own communication timers, read instead of timing through a comm hook.
+
+    DDP already times its backward communication in C++ on sampled
+    iterations: from the first bucket's launch to the last bucket's
+    completion. This reads those timers on one step in ``every`` (about 8 us
+    a read), on the training thread: the data is not safe to read from
+    another one. Durations and bytes both cover the sampled steps only.
+    """
+
+    def __init__(self, ddp_model: Any, every: int = REDUCER_SAMPLE_EVERY):
+        self.model = ddp_model
+        self.every = every
+        ddp_model._set_ddp_runtime_logging_sample_rate(every)
+        data = ddp_model._get_ddp_logging_data()   # private API: fails here, at start-up, if it is gone
+        self.bytes_per_step = int(data["total_parameter_size_bytes"]) - int(data.get("unused_parameter_size", 0))
+        self.exposed = 0.0        # seconds the last sampled backward waited for communication after its compute
+        self._steps = 0
+        self._last_iteration = -1
+
+    def poll(self) -> CollectiveRecord | None:
+        """Call once per step: a record of the latest sampled iteration, once, or None.
+
+        DDP computes a sampled iteration's figures at the next forward, so the
+        read is made mid-way between samples, when the latest one is surely in."""
+        self._steps += 1
+        if self._steps % self.every != self.every // 2:
+            return None
+        data = self.model._get_ddp_logging_data()
+        iteration = data.get("iteration", -1)
+        comm_ns = data.get("backward_comm_time")
+        if comm_ns is None or iteration == self._last_iteration:
+            return None
+        self._last_iteration = iteration
+        compute_end = data.get("backward_compute_time_end", 0)
+        comm_end = data.get("backward_comm_time_end", 0)
+        self.exposed = max(comm_end - compute_end, 0) / 1e9 if compute_end and comm_end else 0.0
+        # Bytes go with the timed steps only, so that bytes / seconds stays a bandwidth.
+        return CollectiveRecord("all_reduce", self.bytes_per_step, data.get("backward_comm_time_start", 0) / 1e9,
+                                comm_ns / 1e9)
+
+
+def ddp_timing_hook(timing: HookTiming):
+    """A DDP comm hook that all-reduces each bucket exactly as DDP's default
+    (divide by world size, sum) and times it.
+
+    Registering any Python hook replaces DDP's fused C++ division with the
+    explicit ``div_`` below: that pass is the hook's main cost on CPU
+    (see README, Performance).
+    """
+    import torch.distributed as dist
+
+    tracker, on_error = timing.tracker, timing.on_error
+
+    def hook(process_group, bucket):
+        group = process_group if process_group is not None else dist.group.WORLD
+        buf = bucket.buffer()
+        buf.div_(group.size())
+        nbytes = buf.numel() * buf.element_size()
+        index = bucket.index()
+        timing.last_launch = time.perf_counter()
+        if buf.is_cuda:
+            span = tracker.begin_device("all_reduce", nbytes, index)
+            timing.last_device_span = span
+            fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+
+            def done(f):
+                try:
+                    tracker.end_device(span)
+                except Exception:  # telemetry must never fail the backward pass
+                    on_error()
+                return f.value()[0]
+        else:
+            token, t0, start = tracker.begin("all_reduce")
+            fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+
+            def done(f):
+                try:
+                    tracker.end(token, "all_reduce", nbytes, t0, start, index)
+                except Exception:
+                    on_error()
+                return f.value()[0]
+
+        return fut.then(done)
+
+    return hook

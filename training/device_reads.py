@@ -1,0 +1,110 @@
+"""CUDA values and step timings, read once the device has finished them (never waited for).
+
+The host returns from a CUDA step long before the device finishes it. A loss
+on the device is copied to pinned host memory without blocking, with an event
+recorded after the copy; a step's phases are bracketed by event pairs. The
+publisher thread checks the events with ``query()`` and reads what is ready,
+in order. Nothing here calls ``synchronize()``.
+
+Both queues are bounded; an entry evicted before it was read is counted as a
+drop (``device_value`` / ``device_step``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rankscope.contract.catalog import PHASES
+
+MAX_PENDING = 1024
+
+
+@dataclass(slots=True)
+class DeviceValue:
+    what: str            # "loss" or "grad"
+    host: Any            # pinned 0-d tensor the value is copied into
+    ready: Any           # event recorded after the copy
+    step: Any            # the step's trace context (steps.TraceContext), or None
+
+
+@dataclass(slots=True)
+class DeviceStep:
+    """A CUDA step whose phase events are not read yet."""
+
+    duration: float                      # host wall clock, data wait included
+    data: float                          # host-measured data wait
+    phases: list[tuple[str, Any, Any]]   # (name, start event, end event)
+    last_bucket: Any                     # the step's last-launched bucket span (bounds the exposed wait)
+
+
+class DeviceReads:
+    def __init__(self, events: Any, on_drop: Callable[[str, str], None]):
+        self.events = events                 # the CUDA event pool (collectives.EventPool)
+        self._on_drop = on_drop
+        self._values: deque[DeviceValue] = deque()
+        self._steps: deque[DeviceStep] = deque()
+
+    # -- training thread -------------------------------------------------------
+    def defer_value(self, what: str, tensor: Any, step: Any) -> None:
+        import torch
+
+        host = torch.empty((), dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        self._push(self._values, DeviceValue(what, host, ready, step), "device_value")
+
+    def defer_step(self, step: DeviceStep) -> None:
+        self._push(self._steps, step, "device_step")
+
+    def _push(self, queue: deque, item: Any, what: str) -> None:
+        if len(queue) >= MAX_PENDING:
+            try:
+                queue.popleft()
+            except IndexError:   # the publisher emptied it meanwhile
+                pass
+            else:
+                self._on_drop(what, f"more than {MAX_PENDING} waiting for the device")
+        queue.append(item)
+
+    # -- publisher thread ------------------------------------------------------
+    def ready_values(self) -> list[DeviceValue]:
+        """Values whose copy has finished, in order; never blocks."""
+        out = []
+        values = self._values
+        while values and values[0].ready.query():
+            out.append(values.popleft())
+        return out
+
+    def ready_steps(self) -> list[dict[str, float]]:
+        """Phase seconds of the finished steps, in order; never blocks.
+
+        The exposed communication wait is the part of the last bucket's
+        all-reduce that outlasted backward's compute, bounded by backward."""
+        out = []
+        steps = self._steps
+        while steps:
+            step = steps[0]
+            if not all(end.query() for _, _, end in step.phases):
+                break
+            if step.last_bucket is not None and step.last_bucket.duration is None:
+                break   # its all-reduce is still being read by the collective tracker
+            steps.popleft()
+            out.append(self._phase_seconds(step))
+        return out
+
+    def _phase_seconds(self, step: DeviceStep) -> dict[str, float]:
+        device = dict.fromkeys(PHASES, 0.0)
+        for name, start, end in step.phases:
+            device[name] += start.elapsed_time(end) / 1000.0
+            self.events.put(start)
+            self.events.put(end)
+        if step.last_bucket is not None:
+            exposed = min(step.last_bucket.duration, device["backward"])
+            device["backward"] -= exposed
+            device["comm_wait"] += exposed
+        device["data"] = 0.0  # already counted from the host clock
+        device["other"] += max(step.duration - step.data - sum(device.values()), 0.0)
+        return device

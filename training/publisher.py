@@ -1,0 +1,176 @@
+"""The publisher thread: beats the heartbeat and writes what the rank collected to its metric files.
+
+Every ``interval_s`` it swaps the step accumulator for an empty one, reads
+what the device has finished, and writes counters, histograms and gauges to
+the mmap files the node exporter reads. It also samples memory, publishes
+collective timings and in-flight state, and counts drops.
+
+One publish at a time: ``publish`` holds a lock, so the training thread's
+calls (``flush`` on the OOM path, the last publish in ``stop``) never run
+inside the thread's own publish; they wait for it only a bounded time.
+Each part is isolated: a failure is counted under its component and the
+others still publish.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any
+
+from rankscope.accounting import Accumulator
+
+
+class Publisher:
+    def __init__(self, metrics: Any, accounting: Any, tracker: Any, device: Any, memory: Any, tracing: Any,
+                 errors: Any, flight_recorder: Any, rank_info: Any, interval_s: float, memory_every_s: float):
+        self._m = metrics
+        self._accounting = accounting
+        self._tracker = tracker
+        self._device = device              # device_reads.DeviceReads on CUDA, else None
+        self._memory = memory
+        self._tracing = tracing
+        self._errors = errors
+        self._flight_recorder = flight_recorder
+        self._rank_info = rank_info
+        self._interval_s = interval_s
+        self._memory_every_s = memory_every_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rankscope-publisher", daemon=True)
+        self._last_memory = 0.0
+        self._alloc_retries = 0.0
+        self._in_flight_published: dict[str, float] = {}
+        self._published = {"spans": 0, "collective": 0}
+
+    def start(self) -> None:
+        self.publish()   # heartbeat and zeros visible before the first step
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self.publish()
+
+    def flush(self, timeout_s: float = 1.0) -> None:
+        """Publish now, from any thread; gives up after ``timeout_s`` if a publish is stuck."""
+        self.publish(timeout_s)
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop the thread and publish what is left (bounded)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=timeout_s)
+        self.publish(timeout_s)
+
+    def publish(self, timeout_s: float = -1) -> None:
+        if not self._lock.acquire(timeout=timeout_s):
+            return
+        try:
+            for component, part in (("publisher", self._publish_steps), ("collectives", self._publish_collectives),
+                                    ("memory", self._publish_memory), ("tracing", self._publish_drops),
+                                    ("publisher", self._rank_info.publish_when_known)):
+                try:
+                    part()
+                except Exception:
+                    self._errors.error(component)
+        finally:
+            self._lock.release()
+
+    # -- parts -------------------------------------------------------------------
+    def _publish_steps(self) -> None:
+        m = self._m
+        m.heartbeat.set(time.time())
+        if self._device is not None:
+            self._tracker.poll_device()   # first: device steps need their buckets' durations
+            for value in self._device.ready_values():
+                self._accounting.device_value_ready(value)
+            for phases in self._device.ready_steps():
+                self._accounting.device_phases_ready(phases)
+        acc = self._accounting.swap()
+        if acc.steps:
+            m.steps.inc(acc.steps)
+            for d in acc.durations:
+                m.step_duration.observe(d)
+            m.step_last.set(acc.last_duration)
+            m.step_ts.set(acc.last_end)
+            m.step.set(acc.last_step)
+            if acc.samples:
+                m.samples.inc(acc.samples)
+            if acc.tokens:
+                m.tokens.inc(acc.tokens)
+        for k, v in acc.phase.items():  # CUDA steps' phases arrive after their step
+            if v:
+                m.phase[k].inc(v)
+        if acc.ooms:
+            m.ooms.inc(acc.ooms)
+        self._publish_health(acc)
+
+    def _publish_health(self, acc: Accumulator) -> None:
+        m = self._m
+        for n, child in ((acc.nonfinite_loss, m.nonfinite["loss"]), (acc.nonfinite_grad, m.nonfinite["grad"]),
+                         (acc.loss_spikes, m.loss_spikes), (acc.grad_spikes, m.grad_spikes)):
+            if n:
+                child.inc(n)
+        if acc.losses:
+            m.loss.set(acc.losses[-1])
+        if not math.isnan(acc.loss_ema):
+            m.loss_ema.set(acc.loss_ema)
+            m.loss_z.set(acc.loss_z)
+        if acc.grad_norms:
+            m.grad_norm.set(acc.grad_norms[-1])
+        if not math.isnan(acc.lr):
+            m.lr.set(acc.lr)
+
+    def _publish_collectives(self) -> None:
+        m, tracker = self._m, self._tracker
+        last: dict[str, float] = {}
+        nbytes: dict[str, int] = {}
+        for rec in tracker.drain():
+            m.collective(rec.op).duration.observe(rec.duration)
+            last[rec.op] = rec.duration
+            nbytes[rec.op] = nbytes.get(rec.op, 0) + rec.nbytes
+        for op, v in last.items():
+            m.collective(op).last.set(v)
+        for op, n in nbytes.items():
+            m.collective(op).bytes.inc(n)
+        in_flight = tracker.in_flight()
+        if in_flight:
+            self._flight_recorder.check(min(in_flight.values()))
+        for op in set(in_flight) | set(self._in_flight_published):
+            since = in_flight.get(op, 0.0)
+            if self._in_flight_published.get(op) != since:
+                series = m.collective(op)
+                series.in_flight.set(1.0 if since else 0.0)
+                series.started.set(since)
+                if since:
+                    self._in_flight_published[op] = since
+                else:
+                    self._in_flight_published.pop(op, None)
+
+    def _publish_memory(self) -> None:
+        if time.monotonic() - self._last_memory < self._memory_every_s:
+            return
+        self._last_memory = time.monotonic()
+        m = self._m
+        r = self._memory.read()
+        m.rss.set(r.rss)
+        if self._memory.cuda:
+            m.mem_allocated.set(r.allocated)
+            m.mem_reserved.set(r.reserved)
+            m.mem_peak.set(r.peak)
+            if r.retries > self._alloc_retries:
+                m.alloc_retries.inc(r.retries - self._alloc_retries)
+            self._alloc_retries = r.retries
+
+    def _publish_drops(self) -> None:
+        """Counters kept by other parts as plain ints (cheap on their hot paths), published as deltas."""
+        spans = self._tracing.dropped()
+        if spans > self._published["spans"]:
+            self._m.spans_dropped.inc(spans - self._published["spans"])
+            self._published["spans"] = spans
+        collectives = self._tracker.dropped
+        if collectives > self._published["collective"]:
+            self._errors.drop("collective", "more completed collectives than buffered between two publishes",
+                              collectives - self._published["collective"])
+            self._published["collective"] = collectives

@@ -1,0 +1,119 @@
+"""What a rank does once, at start-up: claim its run directory and describe itself.
+
+* ``prepare_run_dir``: the run's directory is writable (or a ConfigError
+  now), files of an earlier launch of the same run on this node are removed
+  (or a re-run would add to its counters), and the rank's registration is
+  written for the exporter.
+* ``RankInfo``: the ``rankscope_rank_info`` series (device, GPU UUID,
+  backend, versions). A Monitor may be created before
+  ``init_process_group``, so the series is written once the backend is
+  known, and only then: a second series with ``backend=""`` would break every
+  join on rank_info.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from rankscope.contract.environment import ConfigError
+from rankscope.contract.rundir import Registration, process_start_ticks, remove_previous_launch
+from rankscope.identity import RankIdentity
+
+
+def launcher_pid(env: Mapping[str, str] | None = None) -> int:
+    """The process that launched this rank and restarts it: torchrun's agent, else the rank itself.
+
+    Files of an earlier process with the same launcher are a restart of this
+    launch (kept, so counters continue); anything else dead is an earlier
+    launch. Without torchelastic nothing restarts a rank: a shell that re-runs
+    a script is not a launcher, and each run starts from zero.
+    """
+    env = os.environ if env is None else env
+    return os.getppid() if "TORCHELASTIC_RESTART_COUNT" in env else os.getpid()
+
+
+def prepare_run_dir(run_dir: Path, identity: RankIdentity) -> Registration:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"metrics_dir: cannot write to {run_dir}: {e.strerror or e}") from None
+    pid, launcher = os.getpid(), launcher_pid()
+    remove_previous_launch(run_dir, launcher, process_start_ticks(launcher))
+    registration = Registration(
+        run=identity.run, rank=identity.rank, local_rank=identity.local_rank, node=identity.node,
+        world_size=identity.world_size, local_world_size=identity.local_world_size,
+        pid=pid, pid_start_ticks=process_start_ticks(pid), agent_pid=launcher,
+        agent_start_ticks=process_start_ticks(launcher), started_at=time.time(),
+    )
+    registration.save(run_dir)
+    return registration
+
+
+class RankInfo:
+    """Writes rank_info once the backend is known: given, or the process group's, or none at all."""
+
+    def __init__(self, identity: RankIdentity, device: Any, backend: str | None, registration: Registration,
+                 run_dir: Path, metrics: Any, steps_seen: Callable[[], int]):
+        self._identity = identity
+        self._device = device
+        self._backend = backend
+        self._registration = registration
+        self._run_dir = run_dir
+        self._metrics = metrics
+        self._steps_seen = steps_seen
+        self.written = False
+
+    def publish_when_known(self, final: bool = False) -> None:
+        """Called by the publisher until written. Without a process group by the
+        first completed step (or at close), the rank is not distributed: backend ""."""
+        if self.written:
+            return
+        backend = self._backend if self._backend is not None else _process_group_backend()
+        if backend is None and not final and self._steps_seen() == 0:
+            return
+        info = describe(self._identity, self._device, backend or "")
+        self._registration.info = info
+        self._registration.save(self._run_dir)
+        self._metrics.set_rank_info(info)
+        self.written = True
+
+
+def _process_group_backend() -> str | None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return str(dist.get_backend())
+    return None
+
+
+def describe(identity: RankIdentity, device: Any, backend: str) -> dict[str, str]:
+    """The labels of rank_info beyond identity."""
+    import torch
+
+    from rankscope import __version__
+
+    name, uuid = "cpu", ""
+    if device is not None and getattr(device, "type", "") == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        name = f"cuda:{index}"
+        uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
+        uuid = uuid if uuid.startswith("GPU-") or not uuid else f"GPU-{uuid}"
+    nccl = ""
+    try:
+        if torch.cuda.is_available():
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:   # a CUDA build without NCCL
+        nccl = ""
+    return {
+        "world_size": str(identity.world_size), "local_world_size": str(identity.local_world_size),
+        "process_id": str(os.getpid()), "hostname": os.uname().nodename, "device": name, "gpu_uuid": uuid,
+        "backend": backend, "torch_version": torch.__version__, "nccl_version": nccl,
+        "rankscope_version": __version__, "slurm_job_id": identity.slurm_job_id,
+        "k8s_pod": identity.k8s_pod,
+    }

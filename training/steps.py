@@ -1,0 +1,202 @@
+"""Step and phase timing on the training thread: clocks and bookkeeping only.
+
+``StepTimer`` owns the one reusable ``Step`` and the data wait between steps.
+What a finished step means for the metrics (duration, phases, values,
+anomalies) is ``accounting.StepAccounting``'s business; the timer hands it the
+step when the step ends.
+
+Data wait, in the loop shapes that real code has:
+
+* one batch fetched before each step (the plain loop): the step starts when
+  the fetch began, and the wait is its ``data`` phase;
+* several batches fetched before one step (gradient accumulation with
+  prefetched micro-batches): the step starts when the first of them began
+  to be fetched; ``data`` is the sum of the waits;
+* batches fetched inside the step (micro-batches drawn in the step): each
+  wait is added to the open step's ``data`` phase.
+
+So the durations of consecutive steps add up to the loop's wall time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from rankscope.contract.catalog import PHASES
+from rankscope.errors import UsageError
+
+
+class Phase:
+    """Reusable timer for one phase of the current step (no allocation per use).
+
+    On a CUDA device it also records an event pair on the current stream: the
+    host returns from forward long before the GPU finishes it, so device
+    phases are measured by events and read later by the publisher."""
+
+    __slots__ = ("name", "step", "t0", "event", "token")
+
+    def __init__(self, name: str, step: "Step"):
+        self.name = name
+        self.step = step
+        self.t0 = 0.0
+        self.event = None
+        self.token = -1
+
+    def __enter__(self) -> "Phase":
+        step = self.step
+        if step.events is not None:
+            self.event = step.events.get()
+            self.event.record()
+        if self.name == "backward":
+            # A rank blocked in backward may be waiting on its peers' all-reduce.
+            op = step.timer.comm.backward_in_flight
+            if op is not None:
+                self.token = step.timer.tracker.mark(op, time.time())
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        t1 = time.perf_counter()
+        step = self.step
+        if self.token >= 0:
+            step.timer.tracker.unmark(self.token)
+            self.token = -1
+        if self.event is not None:
+            end = step.events.get()
+            end.record()
+            step.device_phases.append((self.name, self.event, end))
+            self.event = None
+        step.phase_seconds[self.name] += t1 - self.t0
+        step.phase_log.append((self.name, self.t0, t1))
+        if self.name == "backward":
+            step.backward_start, step.backward_end = self.t0, t1
+
+
+class Step:
+    """The step in progress: ``with monitor.step() as step``. Reused from step to step."""
+
+    def __init__(self, timer: "StepTimer"):
+        self.timer = timer
+        self.events = timer.events   # None unless the device is CUDA
+        self._phases = {name: Phase(name, self) for name in PHASES}
+        self.open = False
+        self.number = -1
+        self.t0 = 0.0
+        self.start_unix = 0.0
+        self.samples = 0
+        self.tokens = 0
+        self.phase_seconds = dict.fromkeys(PHASES, 0.0)
+        self.phase_log: list[tuple[str, float, float]] = []
+        self.device_phases: list[tuple[str, Any, Any]] = []
+        self.backward_start = 0.0
+        self.backward_end = 0.0
+        self.loss: Any = None
+        self.grad_norm: Any = None
+        self.lr: Any = None
+
+    def phase(self, name: str) -> Phase:
+        """Time a phase: ``data``, ``forward``, ``backward``, ``optimizer`` (or ``other``).
+        A phase entered several times in a step (micro-batches) adds up."""
+        try:
+            return self._phases[name]
+        except KeyError:
+            raise ValueError(f"phase {name!r} is not one of {', '.join(PHASES)}") from None
+
+    def observe(self, loss: Any = None, grad_norm: Any = None, lr: Any = None) -> None:
+        """Report the step's loss, gradient norm and learning rate (the last call wins).
+
+        Floats and tensors are fine, and so are non-scalar values, reduced by
+        the rules in ``rankscope.values`` (mean loss, total grad norm, first
+        group's lr). A CUDA tensor is read once the device is done with it.
+        """
+        if not self.open:
+            self.timer.on_drop("late_value", "step.observe() after its step ended")
+            return
+        if loss is not None:
+            self.loss = loss
+        if grad_norm is not None:
+            self.grad_norm = grad_norm
+        if lr is not None:
+            self.lr = lr
+
+    def __enter__(self) -> "Step":
+        self.timer.begin(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.timer.end(self, exc)
+        return False  # never swallow the loop's exception
+
+
+class StepTimer:
+    """Starts and ends steps, and keeps the data wait between them."""
+
+    def __init__(self, tracker: Any, comm: Any, on_end: Callable[[Step, float, BaseException | None], None],
+                 on_drop: Callable[[str, str], None]):
+        self.tracker = tracker
+        self.comm = comm                     # comm_timing.CommTiming; replaced by Monitor.watch()
+        self.events = tracker.events
+        self.on_drop = on_drop
+        self._on_end = on_end
+        self.step = Step(self)
+        self._next_number = 0
+        self._pending_start = 0.0            # perf_counter when the first fetch since the last step began
+        self._pending_wait = 0.0
+        self._pending_log: list[tuple[str, float, float]] = []
+
+    def arm(self, samples: int, tokens: int, number: int | None) -> Step:
+        s = self.step
+        if s.open:
+            raise _nested(s)
+        s.samples, s.tokens = samples, tokens
+        s.number = self._next_number if number is None else number
+        return s
+
+    def data_fetched(self, t0: float, t1: float) -> None:
+        """A batch took from ``t0`` to ``t1`` (perf_counter) to arrive."""
+        s = self.step
+        if s.open:
+            s.phase_seconds["data"] += t1 - t0
+            s.phase_log.append(("data", t0, t1))
+            return
+        if not self._pending_start:
+            self._pending_start = t0
+        self._pending_wait += t1 - t0
+        if len(self._pending_log) < 64:
+            self._pending_log.append(("data", t0, t1))
+
+    def begin(self, s: Step) -> None:
+        if s.open:
+            raise _nested(s)
+        now = time.perf_counter()
+        s.open = True
+        self._next_number = s.number + 1
+        phases = s.phase_seconds
+        for k in phases:
+            phases[k] = 0.0
+        s.phase_log.clear()
+        if s.device_phases:
+            s.device_phases = []
+        s.loss = s.grad_norm = s.lr = None
+        s.backward_end = s.backward_start = 0.0
+        if self._pending_start:
+            s.t0 = self._pending_start
+            phases["data"] = self._pending_wait
+            s.phase_log.extend(self._pending_log)
+            self._pending_start, self._pending_wait = 0.0, 0.0
+            self._pending_log.clear()
+        else:
+            s.t0 = now
+        s.start_unix = time.time() - (now - s.t0)
+        self.comm.step_started()
+
+    def end(self, s: Step, exc: BaseException | None) -> None:
+        t1 = time.perf_counter()
+        s.open = False
+        self._on_end(s, t1, exc)
+
+
+def _nested(s: Step) -> UsageError:
+    return UsageError(f"monitor.step() inside step {s.number}, which is still open: steps do not nest "
+                      "(for micro-batches, use one step and enter its phases several times)")

@@ -1,0 +1,101 @@
+"""Turning what a loop passes to ``step.observe()`` into one number, by a documented rule.
+
+Real loops pass more than Python floats:
+
+* ``loss``: a float, a 0-d tensor, or a tensor of per-sample losses
+  (``reduction="none"``), or a list of them: the **mean** of all elements.
+* ``grad_norm``: a float or tensor, or several norms (one per parameter group
+  or per FSDP shard, as a list or a 1-d tensor): the **total 2-norm**,
+  sqrt(sum of squares), which is the norm of all gradients together.
+* ``lr``: a float, or a list with one value per parameter group (what
+  ``scheduler.get_last_lr()`` returns): the **first group's** value.
+
+Anything else (a string, a dict, an empty tensor, a bool) is not a number:
+``read`` raises ``NotANumber`` and the step accounting counts it as a drop
+(``rankscope_telemetry_dropped_total{what="value"}``). The step itself is
+always counted.
+
+A CUDA tensor is reduced on its device (the reduction is queued, never waited
+for) and returned as a 0-d tensor for the deferred device reads.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+from typing import Any
+
+
+class NotANumber(ValueError):
+    """An observed value that no documented rule turns into a number."""
+
+
+def read(what: str, value: Any) -> Any:
+    """A float, or a 0-d CUDA tensor to be read later. Raises NotANumber."""
+    if isinstance(value, (float, int)) and not isinstance(value, bool):
+        return float(value)
+    if hasattr(value, "is_cuda") and hasattr(value, "item"):   # a tensor
+        if value.is_cuda:
+            return _device_scalar(what, value)
+        try:
+            # The common case, a 0-d CPU loss, in one torch call: each costs
+            # ~5 us right after a step (docs/performance.md).
+            return _number(what, value.item())
+        except RuntimeError:   # more than one element, or none
+            return _number(what, _host_reduce(what, value))
+    if isinstance(value, (list, tuple)):
+        return _read_sequence(what, value)
+    return _number(what, value)
+
+
+def _number(what: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise NotANumber(f"{what}: {type(value).__name__} {_short(value)} is not a number")
+    return float(value)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _host_reduce(what: str, tensor: Any) -> Any:
+    if tensor.numel() == 0:
+        raise NotANumber(f"{what}: an empty tensor")
+    flat = tensor.detach().reshape(-1)
+    if what == "lr":
+        return flat[0].item()
+    if flat.dtype.is_complex or not flat.dtype.is_floating_point and flat.dtype.itemsize == 1:
+        raise NotANumber(f"{what}: a tensor of {flat.dtype}")
+    flat = flat.double()
+    return (flat.norm(2) if what == "grad_norm" else flat.mean()).item()
+
+
+def _device_scalar(what: str, tensor: Any) -> Any:
+    """A 0-d tensor on the device, reduced there without waiting for it."""
+    n = tensor.numel()
+    if n == 0 or tensor.dtype.is_complex:
+        raise NotANumber(f"{what}: a tensor of {n} {tensor.dtype} values")
+    flat = tensor.detach().reshape(-1)
+    if n == 1 or what == "lr":
+        return flat[0]
+    flat = flat.float()
+    return flat.norm(2) if what == "grad_norm" else flat.mean()
+
+
+def _read_sequence(what: str, values: list | tuple) -> Any:
+    if not values:
+        raise NotANumber(f"{what}: an empty {type(values).__name__}")
+    if what == "lr":
+        return read(what, values[0])
+    numbers = [read(what, v) for v in values]
+    on_device = [n for n in numbers if not isinstance(n, float)]
+    if on_device:   # combine on the device, without waiting for it
+        import torch
+
+        device = on_device[0].device
+        stacked = torch.stack([torch.as_tensor(n, device=device, dtype=torch.float32).reshape(()) for n in numbers])
+        return stacked.norm(2) if what == "grad_norm" else stacked.mean()
+    if what == "grad_norm":
+        return math.sqrt(math.fsum(n * n for n in numbers))
+    return math.fsum(numbers) / len(numbers)
