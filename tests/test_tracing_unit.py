@@ -310,7 +310,7 @@ EXIT_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("how", ["shutdown", "no_shutdown"])
 def test_interpreter_exit_is_not_delayed_by_a_black_hole(how):
-    """The SDK's own atexit handler would wait 30 s (perf.md); ours must not."""
+    """The SDK's own atexit handler would wait 30 s (docs/performance.md, "Library costs"); ours must not."""
     with BlackHole() as hole:
         proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, hole.endpoint, how], cwd=REPO,
                               capture_output=True, text=True, timeout=60)

@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from rankscope.config import ConfigError, MonitorConfig
+from rankscope.contract.environment import ConfigError
 
 HEALTH_PATH = "/healthz"
 START_TIMEOUT_S = 20.0
@@ -47,45 +47,47 @@ def probe(addr: str, port: int, timeout: float = 1.0) -> dict | None:
     return doc
 
 
-def ensure_exporter(config: MonitorConfig) -> dict:
-    """Reuse the exporter serving ``config.metrics_dir`` or start one."""
-    addr, port = config.metrics_addr, config.metrics_port
+def ensure_exporter(addr: str, port: int, directory: Path, mode: str) -> dict:
+    """Reuse the exporter serving ``directory`` on ``addr:port``, or start one
+    (``mode`` is MonitorConfig.exporter: ``auto`` starts, ``external`` only expects)."""
     doc = probe(addr, port)
-    if doc is None and config.exporter == "external":
+    if doc is None and mode == "external":
         raise ConfigError(f"exporter=external but no rankscope exporter answers on {addr}:{port}")
     if doc is None:
-        doc = _start(config)
-    if Path(doc["directory"]).resolve() != config.metrics_dir.resolve():
+        doc = _start(addr, port, directory)
+    if Path(doc["directory"]).resolve() != directory.resolve():
         raise ConfigError(
-            f"metrics_port: the exporter on {addr}:{port} serves {doc['directory']}, not {config.metrics_dir}; "
+            f"metrics_port: the exporter on {addr}:{port} serves {doc['directory']}, not {directory}; "
             "use the same RANKSCOPE_METRICS_DIR or another port")
     return doc
 
 
-def _start(config: MonitorConfig) -> dict:
-    config.metrics_dir.mkdir(parents=True, exist_ok=True)
-    log_path = config.metrics_dir / "exporter.log"
+def _start(addr: str, port: int, directory: Path) -> dict:
+    directory.mkdir(parents=True, exist_ok=True)
+    log_path = directory / "exporter.log"
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    cmd = [sys.executable, "-P", "-m", "rankscope.exporter", "--addr", config.metrics_addr, "--port", str(config.metrics_port),
-           "--dir", str(config.metrics_dir), "--exit-when-idle", str(IDLE_EXIT_S)]
+    # -P: the rank's working directory is not put on sys.path, so a user's own
+    # exporter.py (or rankscope/) there cannot stand in for the exporter.
+    cmd = [sys.executable, "-P", "-m", "rankscope.exporter", "--addr", addr, "--port", str(port),
+           "--dir", str(directory), "--exit-when-idle", str(IDLE_EXIT_S)]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                                 start_new_session=True, close_fds=True)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         try:
-            doc = probe(config.metrics_addr, config.metrics_port, timeout=0.5)
+            doc = probe(addr, port, timeout=0.5)
         except ConfigError:
             doc = None
         if doc is not None:
             return doc
         if proc.poll() is not None:
             # Another rank's launcher may have won the race for the port.
-            doc = probe(config.metrics_addr, config.metrics_port)
+            doc = probe(addr, port)
             if doc is not None:
                 return doc
             tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
             raise ConfigError(f"the node exporter failed to start: {' | '.join(tail)} (log: {log_path})")
         time.sleep(0.1)
-    raise ConfigError(f"the node exporter did not answer on {config.metrics_addr}:{config.metrics_port} "
-                      f"within {START_TIMEOUT_S:.0f} s (log: {log_path})")
+    raise ConfigError(f"the node exporter did not answer on {addr}:{port} within {START_TIMEOUT_S:.0f} s "
+                      f"(log: {log_path})")

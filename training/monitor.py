@@ -92,7 +92,7 @@ class Monitor:
         if cfg.exporter != "off" and self.identity.local_rank == 0:
             from rankscope.launch import ensure_exporter
 
-            ensure_exporter(cfg)
+            ensure_exporter(cfg.metrics_addr, cfg.metrics_port, cfg.metrics_dir, cfg.exporter)
         self.tracker = CollectiveTracker(self.identity.world_size, _cuda_event_factory(self.device))
         self.comm: comm_timing.CommTiming = comm_timing.CommTiming()
         self.device_reads = DeviceReads(self.tracker.events, self.errors.drop) if self.tracker.events else None

@@ -58,7 +58,7 @@ RETRY_AFTER_S = 5.0   # after a failed export, spans are dropped unbuilt this lo
 DEFAULT_BSP_QUEUE = 2048
 # The SDK default is 5 s. Traced steps are rare, so exporting every second
 # costs little, and spans spend less time in the queue, where they survive
-# young collections and lengthen full ones (perf.md, section 2).
+# young collections and lengthen full ones (docs/performance.md, "Library costs").
 DEFAULT_BSP_SCHEDULE_DELAY_MS = 1000
 RECORD_QUEUE_SIZE = 128          # traced steps waiting for the span worker
 PROTOCOLS = ("grpc", "http/protobuf")

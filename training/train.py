@@ -133,28 +133,68 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rankscope-train: error: {e}", file=sys.stderr)
         return 2
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    fault_rank = world - 1 if args.fault_rank is None else args.fault_rank
-    faulty = rank == fault_rank
     torch.manual_seed(args.seed)
-    if rank == 0:
+    if dist.get_rank() == 0:
         cfg = monitor.config
-        print(f"rankscope: run {monitor.identity.run!r}, {world} ranks ({backend}); "
+        print(f"rankscope: run {monitor.identity.run!r}, {dist.get_world_size()} ranks ({backend}); "
               f"live metrics at http://{cfg.metrics_addr}:{cfg.metrics_port}/metrics", flush=True)
+    train(args, monitor, device)
+    dist.barrier()
+    monitor.close()
+    dist.destroy_process_group()
+    return 0
 
-    train_set = TeacherDataset(args.samples, args.seed, "train", slow_delay=args.slow_data_delay if faulty else 0.0)
+
+class Faults:
+    """The faults this rank injects (all off unless it is the fault rank)."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, world: int):
+        fault_rank = world - 1 if args.fault_rank is None else args.fault_rank
+        self.on = rank == fault_rank
+        self.rank = rank
+        self.args = args
+
+    def at(self, what: str, step: int) -> bool:
+        return self.on and getattr(self.args, what) == step
+
+    def before_forward(self, step: int) -> None:
+        if self.at("oom_at", step):
+            raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 80.00 GiB")
+        if self.at("crash_at", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.on and self.args.slow_rank_delay:
+            time.sleep(self.args.slow_rank_delay)
+
+    def loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        if self.at("nan_loss_at", step):
+            return loss * float("nan")
+        if self.at("loss_spike_at", step):
+            return loss * 50.0
+        return loss
+
+    def before_backward(self, step: int) -> None:
+        if self.at("hang_at", step):
+            print(f"rank {self.rank}: injected hang at step {step}", flush=True)
+            while True:  # peers block in this step's all-reduce
+                time.sleep(1)
+
+
+def train(args: argparse.Namespace, monitor: Monitor, device: torch.device) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    faults = Faults(args, rank, world)
+    train_set = TeacherDataset(args.samples, args.seed, "train", slow_delay=args.slow_data_delay if faults.on else 0.0)
     eval_set = TeacherDataset(4096, args.seed, "eval")
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
                         collate_fn=train_set.collate, drop_last=True, persistent_workers=args.workers > 0)
-    model = monitor.watch(DDP(build_model(args.hidden).to(device), device_ids=[local_rank] if cuda else None,
-                                 bucket_cap_mb=args.bucket_cap_mb))
+    cuda = device.type == "cuda"
+    model = monitor.watch(DDP(build_model(args.hidden).to(device), device_ids=[device.index] if cuda else None,
+                              bucket_cap_mb=args.bucket_cap_mb))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=2)
     accuracy = monitor.gauge("eval_accuracy_ratio", "Accuracy of the reference model on the held-out set.")
     eval_loss_metric = monitor.gauge("eval_loss", "Loss of the reference model on the held-out set.")
     loss_fn = nn.CrossEntropyLoss()
-
     step, epoch, t_start = 0, 0, time.perf_counter()
     while step < args.steps:
         sampler.set_epoch(epoch)
@@ -162,32 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             if step >= args.steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with monitor.step(samples=len(x)) as s:
-                with s.phase("forward"):
-                    if faulty and step == args.oom_at:
-                        raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 80.00 GiB")
-                    if faulty and step == args.crash_at:
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    if faulty and args.slow_rank_delay:
-                        time.sleep(args.slow_rank_delay)
-                    if args.step_delay:
-                        time.sleep(args.step_delay)
-                    loss = loss_fn(model(x), y)
-                    if faulty and step == args.nan_loss_at:
-                        loss = loss * float("nan")
-                    if faulty and step == args.loss_spike_at:
-                        loss = loss * 50.0
-                if faulty and step == args.hang_at:
-                    print(f"rank {rank}: injected hang at step {step}", flush=True)
-                    while True:  # peers block in this step's all-reduce
-                        time.sleep(1)
-                with s.phase("backward"):
-                    loss.backward()
-                with s.phase("optimizer"):
-                    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=5.0)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                s.observe(loss=loss.detach(), grad_norm=grad_norm, lr=opt.param_groups[0]["lr"])
+            loss = train_step(monitor, model, opt, loss_fn, x, y, step, faults, args.step_delay)
             step += 1
             if step % args.eval_every == 0 or step == args.steps:
                 eval_loss, acc = evaluate(model, eval_set, device, monitor)
@@ -197,14 +212,28 @@ def main(argv: list[str] | None = None) -> int:
                 if rank == 0:
                     print(f"step {step}: eval loss {eval_loss:.4f} accuracy {acc:.3f}", flush=True)
             if rank == 0 and step % args.print_every == 0:
-                elapsed = time.perf_counter() - t_start
                 print(f"step {step}/{args.steps} loss {loss.item():.4f} lr {opt.param_groups[0]['lr']:.4g} "
-                      f"{1000 * elapsed / step:.1f} ms/step", flush=True)
+                      f"{1000 * (time.perf_counter() - t_start) / step:.1f} ms/step", flush=True)
         epoch += 1
-    dist.barrier()
-    monitor.close()
-    dist.destroy_process_group()
-    return 0
+
+
+def train_step(monitor: Monitor, model: nn.Module, opt: torch.optim.Optimizer, loss_fn: nn.Module,
+               x: torch.Tensor, y: torch.Tensor, step: int, faults: Faults, step_delay: float) -> torch.Tensor:
+    with monitor.step(samples=len(x)) as s:
+        with s.phase("forward"):
+            faults.before_forward(step)
+            if step_delay:
+                time.sleep(step_delay)
+            loss = faults.loss(loss_fn(model(x), y), step)
+        faults.before_backward(step)
+        with s.phase("backward"):
+            loss.backward()
+        with s.phase("optimizer"):
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=5.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        s.observe(loss=loss.detach(), grad_norm=grad_norm, lr=opt.param_groups[0]["lr"])
+    return loss
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     .venv/bin/python tests/benchmarks/overhead.py --quick    # 50 rounds, smoke only
 
 Block-wise A/B has about +-5% noise per pair on a shared 2-core machine
-(../shared/reference/perf.md), far above a 1% effect, so the variants are
+(docs/performance.md, "Library costs"), far above a 1% effect, so the variants are
 interleaved step by step inside the same two rank processes. Each rank holds
 three DDP wrappers of identical copies of one model (a DDP comm hook belongs to
 its wrapper, and two wrappers of the *same* parameters would both fire):

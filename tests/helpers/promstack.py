@@ -14,7 +14,7 @@ Servers use temporary storage, pick a free loopback port, wait on
 SIGKILL). Only stdlib HTTP (urllib, http.server) and PyYAML are used.
 
 Prometheus 2.42 waits ~5 s before its first scrape (scrape-manager reload
-throttle, see shared/reference/ecosystem.md B2), so budget for it in timeouts.
+throttle), so budget for it in timeouts.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ LOOPBACK = "127.0.0.1"
 
 T = TypeVar("T")
 
-try:  # the lead's helper is the shared one; keep a private fallback until it lands
+try:  # the jobs helper's free_port; a private fallback keeps this module usable alone
     from tests.helpers.jobs import free_port  # type: ignore[attr-defined]
 except Exception:  # noqa: BLE001 - any import problem means "not there yet"
 

@@ -1,0 +1,297 @@
+"""The Monitor API against the loop shapes and mistakes of real code, in process.
+
+Each test builds a real Monitor (metric files in tmp_path, no exporter) and
+reads back what a node exporter would: the rank's merged multiprocess files.
+The same cases run as real torchrun jobs in tests/test_loop_shapes.py.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+from prometheus_client.multiprocess import MultiProcessCollector
+
+import rankscope
+from rankscope import ConfigError, Monitor, UsageError
+from rankscope.device_reads import MAX_PENDING, DeviceReads, DeviceValue
+from tests.helpers.otlp_receiver import OtlpReceiver
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
+               "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture
+def monitor(tmp_path, monkeypatch):
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    m = Monitor(exporter="off", metrics_dir=tmp_path, run="api", publish_interval_s=60)
+    yield m
+    m.close()
+
+
+def published(m: Monitor) -> dict[tuple, float]:
+    """(name, extra label values...) -> value, as the exporter reads the rank's files."""
+    m.publisher.publish()
+    files = [str(p) for p in m.run_dir.glob("*.db")]
+    out = {}
+    for family in MultiProcessCollector.merge(files, accumulate=True):
+        for s in family.samples:
+            extra = tuple(v for k, v in sorted(s.labels.items()) if k not in ("run", "rank", "local_rank", "node"))
+            out[(s.name, *extra)] = s.value
+    return out
+
+
+def run_steps(m: Monitor, n: int, **observed) -> None:
+    for _ in range(n):
+        with m.step() as step:
+            step.observe(**observed)
+
+
+# -- values that are not plain floats ------------------------------------------------
+
+def test_non_scalar_values_are_reduced_and_every_step_counts(monitor):
+    run_steps(monitor, 3, loss=torch.arange(16.0), grad_norm=[torch.tensor(3.0), torch.tensor(4.0)],
+              lr=[0.1, 0.01])
+    got = published(monitor)
+    assert got[("rankscope_steps_total",)] == 3
+    assert got[("rankscope_loss",)] == pytest.approx(7.5)          # mean of 0..15
+    assert got[("rankscope_grad_norm",)] == pytest.approx(5.0)     # sqrt(3² + 4²)
+    assert got[("rankscope_learning_rate",)] == pytest.approx(0.1)  # the first param group
+    assert got[("rankscope_telemetry_dropped_total", "value")] == 0
+
+
+@pytest.mark.parametrize("bad", ["0.5", {"loss": 1.0}, True, torch.tensor([]), [], torch.tensor([True, False])])
+def test_a_value_that_is_not_a_number_is_a_counted_drop_and_the_step_still_counts(monitor, bad):
+    run_steps(monitor, 4, loss=bad)
+    got = published(monitor)
+    assert got[("rankscope_steps_total",)] == 4
+    assert got[("rankscope_telemetry_dropped_total", "value")] == 4
+    assert ("rankscope_loss",) not in got                          # never a made-up value
+
+
+def test_observe_after_its_step_ended_is_counted_and_changes_nothing(monitor):
+    with monitor.step() as step:
+        step.observe(loss=1.25)
+    step.observe(loss=99.0)
+    got = published(monitor)
+    assert got[("rankscope_loss",)] == 1.25
+    assert got[("rankscope_telemetry_dropped_total", "late_value")] == 1
+
+
+# -- gradient accumulation: step time adds up to the loop's wall time ------------------
+
+class SlowLoader:
+    """Batches that take ``wait`` seconds each to arrive."""
+
+    def __init__(self, n: int, wait: float):
+        self.n, self.wait = n, wait
+
+    def __iter__(self):
+        for i in range(self.n):
+            time.sleep(self.wait)
+            yield i
+
+
+def compute(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@pytest.mark.parametrize("shape", ["fetched_inside_step", "fetched_before_step", "one_batch_per_step"])
+def test_step_durations_add_up_to_the_loop_wall_time(monitor, shape):
+    # Few, long steps: the loop's own code between steps (µs) is the only time
+    # outside them, and a preemption landing there on a loaded 2-core machine
+    # (a few ms) must stay well under 2% of the wall time.
+    steps, micro, wait, work = 5, 4, 0.03, 0.02
+    per_step = 1 if shape == "one_batch_per_step" else micro
+    batches = iter(monitor.data(SlowLoader(steps * per_step, wait)))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        if shape == "fetched_before_step":
+            prefetched = [next(batches) for _ in range(micro)]
+            with monitor.step() as step:
+                for _ in prefetched:
+                    with step.phase("forward"):
+                        compute(work)
+        elif shape == "fetched_inside_step":
+            with monitor.step() as step:
+                for _ in range(micro):
+                    next(batches)
+                    with step.phase("forward"):
+                        compute(work)
+        else:
+            next(batches)
+            with monitor.step() as step:
+                with step.phase("forward"):
+                    compute(work)
+    wall = time.perf_counter() - t0
+    got = published(monitor)
+    assert got[("rankscope_step_duration_seconds_sum",)] == pytest.approx(wall, rel=0.02)
+    data = got[("rankscope_phase_seconds_total", "data")]
+    assert data == pytest.approx(steps * per_step * wait, rel=0.25)
+    assert data >= steps * per_step * wait                          # every wait, not the last one only
+    phases = sum(v for k, v in got.items() if k[0] == "rankscope_phase_seconds_total")
+    assert phases == pytest.approx(got[("rankscope_step_duration_seconds_sum",)], rel=1e-6)
+
+
+# -- misuse fails loudly ----------------------------------------------------------------
+
+def test_nested_steps_raise_and_the_outer_step_is_not_corrupted(monitor):
+    with pytest.raises(UsageError, match="steps do not nest"):
+        with monitor.step(samples=8):
+            with monitor.step(samples=1):
+                pass
+    assert issubclass(UsageError, RuntimeError) and rankscope.UsageError is UsageError
+    run_steps(monitor, 2)
+    got = published(monitor)
+    assert got[("rankscope_steps_total",)] == 2                    # the aborted outer step is not counted
+    assert got[("rankscope_step",)] == 2                           # numbering continues: 0 (aborted), 1, 2
+
+
+def test_a_second_monitor_in_one_process_is_refused_until_the_first_closes(tmp_path, monitor):
+    with pytest.raises(ConfigError, match="already open in this process"):
+        Monitor(exporter="off", metrics_dir=tmp_path, run="other")
+    monitor.close()
+    again = Monitor(exporter="off", metrics_dir=tmp_path, run="other", publish_interval_s=60)
+    again.close()
+
+
+# -- user metrics -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, labels, match", [
+    ("acc²", (), "ASCII lower_snake_case"),
+    ("accé", (), "ASCII lower_snake_case"),
+    ("Acc", (), "ASCII lower_snake_case"),
+    ("acc", ("split", "split"), "given twice"),
+    ("acc", ("pid",), "reserved"),
+    ("acc", ("rank",), "reserved"),
+    ("acc", ("spl²t",), "ASCII"),
+    ("acc_total", (), "only counters"),
+])
+def test_bad_user_metric_declarations_are_config_errors(monitor, name, labels, match):
+    with pytest.raises(ConfigError, match=match):
+        monitor.gauge(name, "a metric", labels)
+
+
+def test_the_same_user_metric_twice_is_a_config_error(monitor):
+    monitor.gauge("acc", "accuracy")
+    with pytest.raises(ConfigError, match="acc"):
+        monitor.gauge("acc", "accuracy again")
+
+
+def test_user_metric_label_mistakes_are_counted_not_raised(monitor):
+    plain = monitor.gauge("acc", "accuracy")
+    split = monitor.gauge("split_acc", "accuracy per split", labels=("split",))
+    plain.set(0.5, split="val")        # undeclared label
+    split.set(0.5)                     # declared label missing
+    split.set("high", split="val")     # not a number
+    split.set(torch.tensor(0.75), split="train")
+    got = published(monitor)
+    assert got[("rankscope_telemetry_errors_total", "user")] == 3
+    assert got[("rankscope_user_split_acc", "train")] == 0.75
+    assert ("rankscope_user_acc",) not in got                     # the mistaken value was not written
+
+
+# -- backend, drops, the publisher ----------------------------------------------------------
+
+def test_backend_is_resolved_once_the_process_group_exists(tmp_path, monitor):
+    import torch.distributed as dist
+
+    assert ("rankscope_rank_info",) not in {k[:1] for k in published(monitor)}   # not known yet: not written
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        got = published(monitor)
+    finally:
+        dist.destroy_process_group()
+    infos = [k for k in got if k[0] == "rankscope_rank_info"]
+    assert len(infos) == 1 and "gloo" in infos[0], infos
+
+
+def test_without_a_process_group_rank_info_is_written_after_the_first_step(monitor):
+    run_steps(monitor, 1)
+    infos = [k for k in published(monitor) if k[0] == "rankscope_rank_info"]
+    assert len(infos) == 1
+
+
+def test_dropped_step_durations_collectives_and_device_values_are_counted(monitor, monkeypatch):
+    from rankscope import accounting
+
+    monkeypatch.setattr(accounting, "MAX_PENDING_STEPS", 5)
+    run_steps(monitor, 8)
+    for _ in range(monitor.tracker.completed.maxlen + 3):
+        monitor.tracker.end(-1, "all_reduce", 4, time.perf_counter(), time.time())
+    got = published(monitor)
+    assert got[("rankscope_steps_total",)] == 8                    # every step counted...
+    assert got[("rankscope_step_duration_seconds_count",)] == 5    # ...3 durations dropped
+    assert got[("rankscope_telemetry_dropped_total", "step_duration")] == 3
+    assert got[("rankscope_telemetry_dropped_total", "collective")] == 3
+
+    drops = []
+    reads = DeviceReads(events=None, on_drop=lambda what, reason: drops.append(what))
+    for i in range(MAX_PENDING + 2):
+        reads._push(reads._values, i, "device_value")
+    assert drops == ["device_value", "device_value"]
+
+
+def test_publishes_never_overlap(monitor):
+    """The OOM path and close() publish from the training thread; never inside the thread's own publish."""
+    inside, most = [0], [0]
+    lock = threading.Lock()
+    original = monitor.publisher._publish_steps
+
+    def slow_part():
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.02)
+        original()
+        with lock:
+            inside[0] -= 1
+
+    monitor.publisher._publish_steps = slow_part
+    threads = [threading.Thread(target=monitor.publisher.flush) for _ in range(4)]
+    for t in threads:
+        t.start()
+    monitor.publisher.flush()
+    for t in threads:
+        t.join()
+    assert most[0] == 1
+
+
+def test_a_cuda_anomaly_found_after_the_step_is_traced(tmp_path, monkeypatch):
+    """On CUDA the loss is judged by the publisher once the device is done; a
+    NaN found then is traced like one found on the training thread."""
+    from tests.test_tracing_unit import ATTR_ANOMALY, ATTR_STEP, ROOT_SPAN
+
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+    class DoneEvent:
+        def query(self) -> bool:
+            return True
+
+    with OtlpReceiver() as receiver:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        monkeypatch.setenv("RANKSCOPE_TRACE_EVERY", "1000000")   # only step 0 is sampled
+        m = Monitor(exporter="off", metrics_dir=tmp_path, run="cuda-nan", publish_interval_s=60)
+        try:
+            for _ in range(5):
+                with m.step():
+                    pass
+            step = m.steps.step
+            from rankscope.accounting import _context
+
+            context = _context(step, 0.01)          # what the step leaves for a deferred CUDA value
+            m.accounting.device_value_ready(DeviceValue("loss", torch.tensor(math.nan), DoneEvent(), context))
+        finally:
+            m.close()
+        receiver.wait_for_spans(lambda s: any(x.attributes.get(ATTR_ANOMALY) for x in s), timeout=10)
+        roots = {s.attributes[ATTR_STEP]: s.attributes.get(ATTR_ANOMALY, "")
+                 for s in receiver.spans() if s.name == ROOT_SPAN}
+    assert roots.get(4) == "nonfinite_loss", roots
