@@ -3,71 +3,72 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Mapping
 
 from prometheus_client import CollectorRegistry
 
+from rankscope.contract.environment import ConfigError
+from rankscope.contract.rundir import load_registrations
 from rankscope.exporter.collector import NodeCollector
-from rankscope.exporter.config import ExporterConfig, ExporterConfigError, default_node
+from rankscope.exporter.config import ExporterConfig, ExporterConfigError
+from rankscope.exporter.ranks import RankCollector
 from rankscope.exporter.server import make_app, serve
 from rankscope.exporter.webconfig import load_web_config
 
 log = logging.getLogger("rankscope.exporter")
 
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    if raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ExporterConfigError(f"{name}={raw!r} is not a number") from None
+JANITOR_INTERVAL_S = 2.0
+FIELDS = {f.name: f for f in dataclasses.fields(ExporterConfig)}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every option defaults to None (not given): ExporterConfig holds the defaults and reads the environment."""
+    def default(name: str) -> str:
+        variables = " or ".join(FIELDS[name].metadata["env"])
+        value = FIELDS[name].default
+        value = f"{value:g}" if isinstance(value, float) else value
+        return f"(default: {variables} or {value})" if variables else f"(default {value})"
+
     p = argparse.ArgumentParser(prog="rankscope-exporter",
                                 description="Serve /metrics for every training rank of this node.")
-    p.add_argument("--dir", type=Path, default=None,
-                   help="metrics directory shared with the ranks (default: RANKSCOPE_METRICS_DIR or /dev/shm/rankscope-UID)")
-    p.add_argument("--addr", default=os.environ.get("RANKSCOPE_METRICS_ADDR", "127.0.0.1"),
-                   help="bind address (default 127.0.0.1; 0.0.0.0 exposes it to the network: see README, Security)")
-    p.add_argument("--port", type=int, default=None, help="TCP port (default: RANKSCOPE_METRICS_PORT or 9400)")
-    p.add_argument("--node", default=None, help="node label (default: RANKSCOPE_NODE, SLURMD_NODENAME, NODE_NAME or hostname)")
-    p.add_argument("--stuck-after", type=float, default=None, help="seconds without a step before a live rank is stuck (30)")
-    p.add_argument("--frozen-after", type=float, default=None, help="seconds without a heartbeat before a live rank is frozen (10)")
-    p.add_argument("--suspect-after", type=float, default=None,
-                   help="seconds peers wait in a collective before a rank outside it is a hang suspect (10)")
-    p.add_argument("--retention", type=float, default=900.0, help="seconds a finished or dead run is still served (900)")
-    p.add_argument("--exit-when-idle", type=float, default=0.0,
-                   help="exit after no rank has been alive for this many seconds (0: never)")
+    p.add_argument("--dir", type=Path, help="metrics directory shared with the ranks "
+                   "(default: RANKSCOPE_METRICS_DIR or /dev/shm/rankscope-UID)")
+    p.add_argument("--addr", help=f"bind address {default('addr')}; "
+                   "0.0.0.0 exposes it to the network: see README, Security")
+    p.add_argument("--port", type=int, help=f"TCP port {default('port')}")
+    p.add_argument("--node", help="node label (default: RANKSCOPE_NODE, SLURMD_NODENAME, NODE_NAME or hostname)")
+    p.add_argument("--stuck-after", type=float,
+                   help=f"seconds without a step before a live rank is stuck {default('stuck_after_s')}")
+    p.add_argument("--frozen-after", type=float,
+                   help=f"seconds without a heartbeat before a live rank is frozen {default('frozen_after_s')}")
+    p.add_argument("--suspect-after", type=float, help="seconds peers wait in a collective before a rank outside it "
+                   f"is a hang suspect {default('suspect_after_s')}")
+    p.add_argument("--retention", type=float, help="seconds a finished or dead run is still served, "
+                   f"then its files are removed {default('retention_s')}")
+    p.add_argument("--exit-when-idle", type=float, help="exit after no rank has been alive for this many seconds, "
+                   f"0: never {default('exit_when_idle_s')}")
     p.add_argument("--no-nvml", action="store_true", help="do not read GPUs through NVML")
-    p.add_argument("--web-config", type=Path, default=None,
-                   help="exporter-toolkit web configuration file (TLS, basic auth)")
+    p.add_argument("--web-config", type=Path, help="exporter-toolkit web configuration file (TLS, basic auth)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> ExporterConfig:
-    from rankscope.contract.rundir import default_metrics_dir
-
-    directory = args.dir or Path(os.environ.get("RANKSCOPE_METRICS_DIR") or default_metrics_dir())
-    port = args.port if args.port is not None else int(_env_float("RANKSCOPE_METRICS_PORT", 9400))
-    return ExporterConfig(
-        directory=directory, addr=args.addr, port=port, node=args.node or default_node(),
-        stuck_after_s=args.stuck_after or _env_float("RANKSCOPE_STUCK_AFTER_S", 30.0),
-        frozen_after_s=args.frozen_after or _env_float("RANKSCOPE_FROZEN_AFTER_S", 10.0),
-        suspect_after_s=args.suspect_after or _env_float("RANKSCOPE_SUSPECT_AFTER_S", 10.0),
-        retention_s=args.retention, exit_when_idle_s=args.exit_when_idle, nvml=not args.no_nvml,
-        web_config=args.web_config,
-    )
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> ExporterConfig:
+    return ExporterConfig.from_env(
+        env, directory=args.dir, addr=args.addr, port=args.port, node=args.node,
+        stuck_after_s=args.stuck_after, frozen_after_s=args.frozen_after, suspect_after_s=args.suspect_after,
+        retention_s=args.retention, exit_when_idle_s=args.exit_when_idle,
+        nvml=False if args.no_nvml else None, web_config=args.web_config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,30 +76,33 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s rankscope-exporter %(levelname)s %(message)s")
     try:
         cfg = config_from_args(args)
-        _prepare_directory(cfg.directory)
+        _prepare_directory(cfg.directory, _origin(args.dir, "directory"))
         web = load_web_config(cfg.web_config) if cfg.web_config is not None else None
+        collector = NodeCollector(cfg)
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(NodeCollector(cfg))
-        app = make_app(cfg, registry, threading.Lock(), web)
-    except ExporterConfigError as e:
+        registry.register(collector)
+        scrape_lock = threading.Lock()
+        app = make_app(cfg, registry, scrape_lock, web)
+    except ConfigError as e:
         print(f"rankscope-exporter: error: {e}", file=sys.stderr)
         return 2
     try:
         server = serve(cfg, app, web)
     except OSError as e:
         # Only binding happens here, so the error is the address's or the port's.
+        port = _origin(args.port, "port")
         if e.errno == errno.EADDRINUSE:
-            print(f"rankscope-exporter: error: --port: {cfg.addr}:{cfg.port} is already in use", file=sys.stderr)
+            print(f"rankscope-exporter: error: {port}: {cfg.addr}:{cfg.port} is already in use", file=sys.stderr)
         else:
-            print(f"rankscope-exporter: error: --addr/--port: cannot listen on {cfg.addr}:{cfg.port}: "
-                  f"{e.strerror or e}", file=sys.stderr)
+            print(f"rankscope-exporter: error: {_origin(args.addr, 'addr')}/{port}: "
+                  f"cannot listen on {cfg.addr}:{cfg.port}: {e.strerror or e}", file=sys.stderr)
         return 2
     scheme = "https" if web is not None and web.ssl_context is not None else "http"
     log.info("serving %s://%s:%d/metrics for %s (node %s)%s", scheme, cfg.addr, cfg.port, cfg.directory, cfg.node,
              " with basic auth" if web is not None and web.auth_required else "")
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
-    if cfg.exit_when_idle_s:
-        threading.Thread(target=_exit_when_idle, args=(server, cfg), daemon=True).start()
+    threading.Thread(target=_janitor, args=(server, cfg, collector.ranks, scrape_lock), name="janitor",
+                     daemon=True).start()
     try:
         server.serve_forever(poll_interval=0.5)
     except KeyboardInterrupt:
@@ -108,32 +112,50 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _prepare_directory(directory: Path) -> None:
+def _origin(cli_value: object, name: str) -> str:
+    """Whom to name in an error about ExporterConfig's field ``name``: its option, or the variable it was read from."""
+    variables = [var for var in FIELDS[name].metadata["env"] if os.environ.get(var)] if cli_value is None else []
+    return variables[0] if variables else FIELDS[name].metadata["option"]
+
+
+def _prepare_directory(directory: Path, name: str) -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ExporterConfigError(f"--dir: cannot create {directory}: {e.strerror or e}") from None
+        raise ExporterConfigError(f"{name}: cannot create {directory}: {e.strerror or e}") from None
     if not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
-        raise ExporterConfigError(f"--dir: {directory} is not readable and writable by this user")
+        raise ExporterConfigError(f"{name}: {directory} is not readable and writable by this user")
 
 
-def _exit_when_idle(server, cfg: ExporterConfig) -> None:
-    """Auto-started exporters go away once every run on the node is over."""
-    from rankscope.exporter.ranks import RankCollector
-
-    ranks = RankCollector(cfg)
+def _janitor(server, cfg: ExporterConfig, ranks: RankCollector, scrape_lock: threading.Lock) -> None:
+    """Everything that deletes, away from the scrapes (which only read): removes
+    runs past their retention and, with --exit-when-idle, stops the server once
+    no rank has been alive that long (auto-started exporters go away with their runs)."""
     last_alive = time.time()
+    logged = False
     while True:
-        time.sleep(min(5.0, cfg.exit_when_idle_s))
-        if _any_rank_alive(ranks):
-            last_alive = time.time()
-        elif time.time() - last_alive > cfg.exit_when_idle_s:
+        time.sleep(JANITOR_INTERVAL_S)
+        now = time.time()
+        try:
+            if cfg.exit_when_idle_s and _any_rank_alive(ranks):
+                last_alive = now
+            _remove_expired_runs(cfg, ranks, scrape_lock, now)
+        except Exception:   # one unreadable run must not stop the clean-up and the idle exit for good
+            if not logged:
+                log.exception("clean-up failed (retried every %.0f s, logged once)", JANITOR_INTERVAL_S)
+                logged = True
+        if cfg.exit_when_idle_s and now - last_alive > cfg.exit_when_idle_s:
             log.info("no rank alive for %.0f s: exiting", cfg.exit_when_idle_s)
             server.shutdown()
             return
 
 
-def _any_rank_alive(ranks) -> bool:
-    from rankscope.contract.rundir import load_registrations
+def _remove_expired_runs(cfg: ExporterConfig, ranks: RankCollector, scrape_lock: threading.Lock, now: float) -> None:
+    for run_dir in ranks.expired_run_dirs(now):
+        log.info("removing %s: every rank gone for more than %.0f s", run_dir, cfg.retention_s)
+        with scrape_lock:   # not while a scrape reads the run's files
+            shutil.rmtree(run_dir, ignore_errors=True)
 
+
+def _any_rank_alive(ranks: RankCollector) -> bool:
     return any(reg.process_alive() for run_dir in ranks.run_dirs() for reg in load_registrations(run_dir))

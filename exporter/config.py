@@ -1,48 +1,61 @@
-"""Exporter configuration: a validated dataclass built from the command line."""
+"""Exporter configuration: one validated dataclass, built by ``from_env``.
+
+Each option's default is written once, on its field below, with the
+environment variable it is read from and its command-line flag. Command-line
+values win over the environment, which wins over the defaults
+(``rankscope.contract.environment.from_env``); an error names the flag or
+the variable the wrong value came from.
+"""
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping
+
+from rankscope.contract import environment
+from rankscope.contract.environment import DEFAULT_ADDR, DEFAULT_PORT, ConfigError, default_node, setting
+from rankscope.contract.rundir import default_metrics_dir
 
 
-class ExporterConfigError(ValueError):
+class ExporterConfigError(ConfigError):
     """A bad option; the message names it. The CLI prints it and exits 2."""
-
-
-def default_node() -> str:
-    return os.environ.get("RANKSCOPE_NODE") or os.environ.get("SLURMD_NODENAME") or os.environ.get(
-        "NODE_NAME") or socket.gethostname()
 
 
 @dataclass(frozen=True)
 class ExporterConfig:
-    directory: Path
-    addr: str = "127.0.0.1"
-    port: int = 9400
-    node: str = ""
-    stuck_after_s: float = 30.0
+    directory: Path = setting(default_factory=default_metrics_dir, env="RANKSCOPE_METRICS_DIR", option="--dir")
+    """The metrics directory shared with the ranks."""
+    addr: str = setting(default=DEFAULT_ADDR, env="RANKSCOPE_METRICS_ADDR", option="--addr")
+    port: int = setting(default=DEFAULT_PORT, env="RANKSCOPE_METRICS_PORT", option="--port")
+    node: str = setting(default_factory=default_node, env="RANKSCOPE_NODE", option="--node")
+    stuck_after_s: float = setting(default=30.0, env="RANKSCOPE_STUCK_AFTER_S", option="--stuck-after")
     """No step completed for this long while the heartbeat is live: stuck."""
-    frozen_after_s: float = 10.0
+    frozen_after_s: float = setting(default=10.0, env="RANKSCOPE_FROZEN_AFTER_S", option="--frozen-after")
     """Heartbeat older than this while the process is alive: frozen."""
-    suspect_after_s: float = 10.0
+    suspect_after_s: float = setting(default=10.0, env="RANKSCOPE_SUSPECT_AFTER_S", option="--suspect-after")
     """Peers waiting in a collective this long make a rank outside any collective a hang suspect."""
-    retention_s: float = 900.0
+    retention_s: float = setting(default=900.0, option="--retention")
     """A run whose ranks are all gone is served this long, then its files are removed."""
-    exit_when_idle_s: float = 0.0
+    exit_when_idle_s: float = setting(default=0.0, option="--exit-when-idle")
     """Exit after no rank has been alive for this long (0: never; for auto-started exporters)."""
-    nvml: bool = True
-    web_config: Path | None = None
+    nvml: bool = setting(default=True, option="--no-nvml")
+    web_config: Path | None = setting(default=None, option="--web-config")
+    """exporter-toolkit web configuration file (TLS, basic auth)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
-            raise ExporterConfigError(f"--port: {self.port} is not a TCP port (1-65535)")
+            raise ExporterConfigError(f"{self.port} is not a TCP port (1-65535)", field="port")
         for name in ("stuck_after_s", "frozen_after_s", "suspect_after_s", "retention_s"):
             if not getattr(self, name) > 0:
-                raise ExporterConfigError(f"--{name[:-2].replace('_', '-')}: must be > 0")
-        if self.exit_when_idle_s < 0:
-            raise ExporterConfigError("--exit-when-idle: must be >= 0")
+                raise ExporterConfigError(f"must be > 0, got {getattr(self, name)!r}", field=name)
+        if not self.exit_when_idle_s >= 0:
+            raise ExporterConfigError(f"must be >= 0, got {self.exit_when_idle_s!r}", field="exit_when_idle_s")
         if self.directory.exists() and not self.directory.is_dir():
-            raise ExporterConfigError(f"--dir: {self.directory} exists and is not a directory")
+            raise ExporterConfigError(f"{self.directory} exists and is not a directory", field="directory")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> "ExporterConfig":
+        """Explicit values (the command line's; None: not given) win over the
+        environment, which wins over the defaults."""
+        return environment.from_env(cls, env, **explicit)

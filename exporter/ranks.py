@@ -5,29 +5,29 @@ Each scrape merges the multiprocess files of every run in the directory
 itself: whether its process is alive, whether its interpreter still runs
 (heartbeat), whether it is stuck, and whether it is the likely culprit of a
 hang (outside any collective while its peers wait inside one).
+
+A scrape only reads. Removing a run once its retention is over is the CLI's
+janitor thread's job (``expired_run_dirs`` says which), so a scrape is never
+slowed by, nor races with, a deletion.
 """
 
 from __future__ import annotations
 
 import glob
-import logging
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from rankscope.exporter.catalog import BY_NAME as EXPORTER_SPECS
 from rankscope.exporter.catalog import RANK_STATES
 from rankscope.exporter.config import ExporterConfig
 from rankscope.contract.catalog import COLLECTIVE_OPS, EAGER_COLLECTIVE_OPS, IDENTITY_LABELS
-from rankscope.contract.rundir import (RANKS_SUBDIR, Registration, latest_per_rank, load_registrations,
-                                   process_state)
-
-log = logging.getLogger("rankscope.exporter")
+from rankscope.contract.rundir import (RANKS_SUBDIR, Registration, db_file_pid, latest_per_rank,
+                                       load_registrations, process_state)
 
 
 @dataclass
@@ -77,14 +77,13 @@ class RankCollector:
 
     def __init__(self, cfg: ExporterConfig):
         self.cfg = cfg
-        self._marked_dead: set[tuple[str, int]] = set()
-        self.last_alive = time.time()   # when a rank was last seen alive (for idle exit)
         self.state_counts: dict[str, int] = dict.fromkeys(RANK_STATES, 0)
 
     def run_dirs(self) -> list[Path]:
         return sorted(p.parent for p in self.cfg.directory.glob(f"*/{RANKS_SUBDIR}") if p.is_dir())
 
     def collect(self) -> Iterator[Metric]:
+        """One scrape. It only reads: removing files is the janitor's (expired_run_dirs)."""
         now = time.time()
         families = _derived_families()
         counts = dict.fromkeys(RANK_STATES, 0)
@@ -94,32 +93,39 @@ class RankCollector:
             for v in views:
                 counts[v.state] += 1
                 _add_view(families, v, now)
-            if views and any(v.alive for v in views):
-                self.last_alive = now
-            elif self._expired(views, now):
-                log.info("removing %s: every rank gone for more than %.0f s", run_dir, self.cfg.retention_s)
-                shutil.rmtree(run_dir, ignore_errors=True)
         self.state_counts = counts
         yield from families.values()
+
+    def expired_run_dirs(self, now: float) -> list[Path]:
+        """Runs whose ranks have all been gone (dead or finished) for longer than the retention."""
+        expired = []
+        for run_dir in self.run_dirs():
+            # A live process keeps its run; checking first spares a merge of its files.
+            if any(reg.process_alive() for reg in load_registrations(run_dir)):
+                continue
+            views, _ = self._collect_run(run_dir, now)
+            if views and now - max(_last_seen(v) for v in views) > self.cfg.retention_s:
+                expired.append(run_dir)
+        return expired
 
     def _collect_run(self, run_dir: Path, now: float) -> tuple[list[RankView], list[Metric]]:
         registrations = load_registrations(run_dir)
         latest = latest_per_rank(registrations)
         latest_pids = {str(r.pid) for r in latest.values()}
-        for reg in registrations:
-            key = (str(run_dir), reg.pid)
-            if key not in self._marked_dead and not reg.process_alive():
-                # Drops the dead process's live* gauges (heartbeat, in-flight);
-                # its counters and histograms stay so rates do not reset.
-                mark_process_dead(reg.pid, str(run_dir))
-                self._marked_dead.add(key)
-        files = glob.glob(str(run_dir / "*.db"))
+        alive = {(reg.rank, reg.pid): reg.process_alive() for reg in registrations}   # one per registration file
+        live_pids = {pid for (_, pid), up in alive.items() if up}
+        dead_pids = {pid for _, pid in alive} - live_pids
+        # A dead process's live* gauges (heartbeat, in-flight) are left out of
+        # the merge, as prometheus_client's mark_process_dead would, but without
+        # deleting them; its counters and histograms stay so rates do not reset.
+        files = [f for f in glob.glob(str(run_dir / "*.db"))
+                 if not (Path(f).name.startswith("gauge_live") and db_file_pid(Path(f)) in dead_pids)]
         merged = MultiProcessCollector.merge(files, accumulate=True) if files else []
         index = _index(merged)
         views = []
         for rank, reg in sorted(latest.items()):
             key = (reg.run, str(reg.rank))
-            v = RankView(reg=reg, alive=reg.process_alive())
+            v = RankView(reg=reg, alive=alive[(reg.rank, reg.pid)])
             v.heartbeat = index.get(("rankscope_heartbeat_timestamp_seconds",) + key, 0.0)
             v.last_step = index.get(("rankscope_last_step_timestamp_seconds",) + key, 0.0)
             for op in COLLECTIVE_OPS:
@@ -140,11 +146,10 @@ class RankCollector:
                 metric.samples = [s for s in metric.samples if s.labels.get("process_id") in latest_pids]
         return views, merged
 
-    def _expired(self, views: list[RankView], now: float) -> bool:
-        if not views:
-            return False
-        last = max(v.reg.finished_at or v.last_step or v.heartbeat or v.reg.started_at for v in views)
-        return now - last > self.cfg.retention_s
+
+def _last_seen(v: RankView) -> float:
+    """When the rank last showed signs of life."""
+    return v.reg.finished_at or v.last_step or v.heartbeat or v.reg.started_at
 
 
 def _index(merged: Iterable[Metric]) -> dict[tuple, float]:

@@ -3,11 +3,12 @@
 Every ``RANKSCOPE_*`` option is a field of a frozen configuration dataclass
 (``rankscope.config.MonitorConfig``, ``rankscope.exporter.config.ExporterConfig``).
 Its default is written once, on the field; ``from_env`` reads
-``RANKSCOPE_<FIELD>`` for each field, parses it by the field's type, lets
-explicit values win, and the dataclass's ``__post_init__`` validates the
-result. A value that is wrong raises ``ConfigError`` naming the variable or
-option, at start-up. An explicit value is never swapped for the default: ``0``
-is a value, and is validated like any other.
+``RANKSCOPE_<FIELD>`` for each field (or the variables a ``setting()`` field
+names instead), parses it by the field's type, lets explicit values win, and
+the dataclass's ``__post_init__`` validates the result. A value that is wrong
+raises ``ConfigError`` naming the variable or option, at start-up. An explicit
+value is never swapped for the default: ``0`` is a value, and is validated
+like any other.
 """
 
 from __future__ import annotations
@@ -27,7 +28,26 @@ T = TypeVar("T")
 
 
 class ConfigError(ValueError):
-    """A configuration value is wrong. The message names the option."""
+    """A configuration value is wrong. The message names the option.
+
+    Validation that names the wrong field with ``field=`` lets ``from_env``
+    name where the value came from instead (its variable or command-line
+    option): ``ConfigError("must be > 0", field="retention_s")``.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.problem = message
+
+
+def setting(*, env: str | tuple[str, ...] = (), option: str | None = None, **field_args: Any) -> Any:
+    """A dataclass field that ``from_env`` reads from the variables ``env``
+    (the first one set; none when empty) instead of ``RANKSCOPE_<FIELD>``.
+    ``option`` names an explicit value in errors, e.g. its command-line flag.
+    Other arguments are ``dataclasses.field``'s (``default``, ``default_factory``)."""
+    return dataclasses.field(metadata={"env": (env,) if isinstance(env, str) else env, "option": option},
+                             **field_args)
 
 
 def parse(name: str, raw: str, typ: Any) -> Any:
@@ -66,7 +86,10 @@ def env_value(env: Mapping[str, str], names: str | tuple[str, ...], typ: Any, de
 
 def from_env(cls: type[T], env: Mapping[str, str] | None = None, **explicit: Any) -> T:
     """An instance of the dataclass ``cls``: explicit values (not None) win over
-    ``RANKSCOPE_<FIELD>`` variables, which win over the fields' defaults."""
+    ``RANKSCOPE_<FIELD>`` variables (or a ``setting()``'s own), which win over
+    the fields' defaults. A validation error for a field (``ConfigError(...,
+    field=...)``) is raised again naming the value's origin: the variable it
+    was read from, else the field's ``option`` (or its name)."""
     env = os.environ if env is None else env
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
@@ -74,15 +97,24 @@ def from_env(cls: type[T], env: Mapping[str, str] | None = None, **explicit: Any
     if unknown:
         raise ConfigError(f"unknown option(s): {', '.join(sorted(unknown))}")
     values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
     for f in dataclasses.fields(cls):
+        origin[f.name] = f.metadata.get("option") or f.name
         if explicit.get(f.name) is not None:
             value = explicit[f.name]
             values[f.name] = Path(value) if hints[f.name] in (Path, Path | None) else value
             continue
-        var = PREFIX + f.name.upper()
-        if env.get(var, "") != "":
-            values[f.name] = parse(var, env[var], hints[f.name])
-    return cls(**values)
+        for var in f.metadata.get("env", (PREFIX + f.name.upper(),)):
+            if env.get(var, "") != "":
+                values[f.name] = parse(var, env[var], hints[f.name])
+                origin[f.name] = var
+                break
+    try:
+        return cls(**values)
+    except ConfigError as e:
+        if e.field not in origin:
+            raise
+        raise type(e)(f"{origin[e.field]}: {e.problem}") from None
 
 
 def default_node(env: Mapping[str, str] | None = None) -> str:
