@@ -1,24 +1,24 @@
 """Generate rankscope's Grafana dashboards from one Python source.
 
-    python grafana/generate.py          # or: python -m grafana.generate
-    python grafana/generate.py --check  # exit 1 if the committed JSON is stale
+    python deploy/generate.py           # regenerate every generated file, these included
+    python deploy/generate.py --check   # exit 1 if any is stale (python grafana/generate.py: the same)
 
 Writes ``grafana/dashboards/<uid>.json`` with the official Grafana Foundation
 SDK pinned to its Grafana 11.6 build (``grafana-foundation-sdk==1769699379!11.6.0``,
 schemaVersion 41). The committed JSON is what Grafana's file provider loads;
-``tests/test_dashboards.py`` fails when it drifts from this file.
+``outputs()`` is what deploy/generate.py collects, and its ``--check`` (a fast
+test) fails when the JSON drifts from this file.
 
 Conventions (checked by the tests): every panel has a unit and a description,
 every query targets the ``${datasource}`` variable and selects with
 ``run``/``node``/``rank`` variables, every ``rate``/``increase`` window is
-``$__rate_interval``, and only catalog metrics (training/catalog.py,
-exporter/catalog.py), recording rules (prometheus/rules/) and Prometheus's own
+``$__rate_interval``, and only catalog metrics (rankscope.contract.catalog,
+rankscope.exporter.catalog), recording rules (prometheus/rules/) and Prometheus's own
 ``ALERTS`` series are used.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -559,37 +559,17 @@ def render_all() -> dict[str, str]:
     return out
 
 
-def write_all(directory: Path = DASHBOARDS_DIR) -> list[Path]:
-    directory.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, text in render_all().items():
-        path = directory / name
-        path.write_text(text)
-        written.append(path)
-    return written
-
-
-def stale_files(directory: Path = DASHBOARDS_DIR) -> list[str]:
-    """Names whose committed JSON differs from what this source generates (or that it no longer makes)."""
-    expected = render_all()
-    present = {p.name for p in directory.glob("*.json")}
-    stale = [n for n, text in expected.items() if not (directory / n).exists() or (directory / n).read_text() != text]
-    return sorted(stale + sorted(present - expected.keys()))
+def outputs() -> dict[Path, str]:
+    """The committed dashboards (path -> JSON text)."""
+    return {DASHBOARDS_DIR / name: text for name, text in render_all().items()}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the committed JSON is stale")
-    args = parser.parse_args(argv)
-    if args.check:
-        stale = stale_files()
-        if stale:
-            print("stale dashboards (run python grafana/generate.py):", ", ".join(stale), file=sys.stderr)
-            return 1
-        return 0
-    for path in write_all():
-        print(path)
-    return 0
+    """Same as deploy/generate.py (the Kubernetes ConfigMaps embed the dashboards)."""
+    import subprocess
+
+    return subprocess.call([sys.executable, str(Path(__file__).resolve().parents[1] / "deploy" / "generate.py"),
+                            *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

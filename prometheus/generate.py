@@ -1,8 +1,11 @@
 """Render prometheus/rules/{recording,alerts}.yml from rules_spec.py + thresholds.yaml.
 
-    python -m prometheus.generate                      # rewrite the committed files
-    python -m prometheus.generate --override prometheus/fast.yaml --out /tmp/fast
-    python -m prometheus.generate --check              # exit 1 if the committed files drift
+    python deploy/generate.py [--check]                # every generated file, these included
+    python -m prometheus.generate --override prometheus/fast.yaml --out /tmp/fast   # a variant elsewhere
+
+``outputs()`` is what deploy/generate.py collects; without ``--out`` this
+command is the same as ``deploy/generate.py`` (the Kubernetes PrometheusRule
+embeds these files, so they are regenerated together).
 
 Thresholds, `for:` durations and the selector live only in thresholds.yaml;
 an override file has the same shape and replaces just the keys it names.
@@ -141,27 +144,34 @@ def write(out_dir: Path, config: dict) -> list[Path]:
     return written
 
 
-def drift(config: dict | None = None, rules_dir: Path = RULES_DIR) -> list[str]:
-    """Names of committed rule files that differ from a fresh render."""
-    config = config or load_thresholds()
-    return [name for name, doc in render(config).items()
-            if not (rules_dir / name).exists() or (rules_dir / name).read_text() != to_yaml(doc)]
+def outputs() -> dict[Path, str]:
+    """The committed rule files (path -> text), from thresholds.yaml alone."""
+    return {RULES_DIR / name: to_yaml(doc) for name, doc in render(load_thresholds()).items()}
+
+
+def _regenerate_everything(argv: list[str]) -> int:
+    """Run deploy/generate.py, the one entry point for every generated file."""
+    import subprocess
+
+    return subprocess.call([sys.executable, str(HERE.parent / "deploy" / "generate.py"), *argv])
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog="Without --out: regenerate (or --check) every generated file, "
+                                       "as python deploy/generate.py does.")
     p.add_argument("--override", type=Path, action="append", default=[],
-                   help="YAML with keys of thresholds.yaml to replace (repeatable)")
-    p.add_argument("--out", type=Path, default=RULES_DIR, help="output directory (default: prometheus/rules)")
-    p.add_argument("--check", action="store_true", help="only report drift of the committed files")
+                   help="YAML with keys of thresholds.yaml to replace (repeatable; needs --out)")
+    p.add_argument("--out", type=Path, help="write a variant's rule files to this directory")
+    p.add_argument("--check", action="store_true", help="without --out: deploy/generate.py --check")
     args = p.parse_args(argv)
-    config = load_thresholds(*args.override)
+    if args.out is None:
+        if args.override:
+            p.error("--override needs --out: prometheus/rules/ holds the thresholds.yaml defaults")
+        return _regenerate_everything(["--check"] if args.check else [])
     if args.check:
-        stale = drift(config, args.out)
-        for name in stale:
-            print(f"{args.out / name} is out of date; run python -m prometheus.generate", file=sys.stderr)
-        return 1 if stale else 0
-    for path in write(args.out, config):
+        p.error("--check verifies the committed files; it takes no --out")
+    for path in write(args.out, load_thresholds(*args.override)):
         print(path)
     return 0
 

@@ -1,10 +1,21 @@
 #!/usr/bin/env bash
-# The test suite on a fresh machine: Debian's Prometheus/Alertmanager for the
-# integration tests (when missing and we are root), the project with its dev
-# extras, then pytest. Arguments go to pytest.
+# The test suite on a fresh machine: Debian's Prometheus/Alertmanager (when
+# missing and we are root), the project with its dev extras, then pytest.
+#
+#   bash tests/run.sh [PYTEST ARGS]          # everything (what .ci/run runs)
+#   bash tests/run.sh --fast [PYTEST ARGS]   # the fast tier: unit and static tests, pytest -m "not integration"
+#
+# Both tiers need promtool and amtool (the fast tier's static rule and routing
+# checks), so both install the Debian packages. Other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null; then
+tier=()
+if [ "${1:-}" = "--fast" ]; then
+    shift
+    tier=(-m "not integration")
+fi
+if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null \
+        || ! command -v amtool >/dev/null; then
     if [ "$(id -u)" = 0 ]; then
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
@@ -15,4 +26,4 @@ if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/de
     fi
 fi
 bash deploy/local/setup.sh dev
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q "${tier[@]}" "$@"

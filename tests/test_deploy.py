@@ -10,6 +10,8 @@ cluster runs, with the tools a user can run offline.
   templates inside PyTorchJobs against the core schema; the PrometheusRule
   equals prometheus/rules/*.yml and passes `promtool check rules`; the
   dashboard ConfigMaps equal grafana/dashboards/*.json;
+- every generated file (rules, dashboards, Kubernetes copies, README catalog)
+  is what deploy/generate.py renders (`deploy/generate.py --check`);
 - Dockerfile: parsed with BuildKit's own parser; installs torch from the CPU
   index then the project, downloads nothing at run time;
 - Slurm: scripts parse; the prolog/epilog pair registers and removes a node
@@ -19,6 +21,7 @@ cluster runs, with the tools a user can run offline.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -49,8 +52,19 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 SLURM = DEPLOY / "slurm"
 UNIT = DEPLOY / "systemd" / "rankscope-exporter.service"
 
-sys.path.insert(0, str(K8S))
-import generate  # noqa: E402  (deploy/kubernetes/generate.py)
+
+
+def _load(name: str, path: Path):
+    """A generator script by path (deploy/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+regenerate = _load("rankscope_deploy_generate", DEPLOY / "generate.py")   # deploy/generate.py
+generate = regenerate._kubernetes()                                        # deploy/kubernetes/generate.py
 
 # Oldest Kubernetes the manifests claim (native sidecars: 1.29) and the newest
 # schema kubernetes-validate bundles.
@@ -230,7 +244,7 @@ def test_compose_prometheus_config_with_the_project_rules_passes_promtool(compos
     path.write_text(yaml.safe_dump(config))
     result = run(["promtool", "check", "config", str(path)])
     assert result.returncode == 0, result.stdout + result.stderr
-    for rule_file in generate.rule_files():
+    for rule_file in sorted((REPO / "prometheus" / "rules").glob("*.yml")):
         assert rule_file.name in result.stdout, f"promtool did not check {rule_file}"
 
 
@@ -259,6 +273,7 @@ def _with_option(command: list[str], option: str, value: str) -> list[str]:
     return command
 
 
+@pytest.mark.integration  # a torchrun job and an exporter process
 def test_compose_wiring_runs_a_real_job(compose, tmp_path):
     """The exporter and trainer services' commands and environment, run here
     as processes (service addresses mapped to loopback, the volume to a temp
@@ -514,8 +529,59 @@ def test_dashboard_configmaps_equal_the_dashboards():
         assert len(text.encode()) < 1024 * 1024
 
 
-def test_generated_files_are_up_to_date():
-    assert generate.main(["--check"]) == 0, "run: python deploy/kubernetes/generate.py"
+def test_every_generated_file_is_up_to_date():
+    """The one check of all four generators: rules, dashboards, their Kubernetes copies, the README catalog."""
+    result = run([sys.executable, str(DEPLOY / "generate.py"), "--check"], cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert "up to date" in result.stdout
+
+
+def test_generators_cover_every_generated_file():
+    rendered = regenerate.render_all()
+    rel = {str(p.relative_to(REPO)) for p in rendered}
+    assert {"prometheus/rules/recording.yml", "prometheus/rules/alerts.yml", "README.md",
+            "deploy/kubernetes/generated/prometheusrule.yaml",
+            "deploy/kubernetes/generated/grafana-dashboards.yaml"} <= rel
+    assert len([r for r in rel if r.startswith("grafana/dashboards/")]) == 4
+    assert regenerate.leftovers(rendered) == []
+    # The Kubernetes copies come from the rendered rules and dashboards, not the files on disk.
+    changed = {p: t for p, t in rendered.items() if p.parent.name in ("rules", "dashboards")}
+    changed[REPO / "prometheus" / "rules" / "alerts.yml"] = "groups: [{name: only, rules: []}]\n"
+    (rule,) = yaml.safe_load_all(generate.outputs(upstream=changed)[K8S / "generated" / "prometheusrule.yaml"])
+    assert rule["spec"]["groups"] == [{"name": "only", "rules": []}] + yaml.safe_load(
+        rendered[REPO / "prometheus" / "rules" / "recording.yml"])["groups"]
+
+
+def test_check_lists_stale_files_and_the_fix_and_a_plain_run_fixes_them(tmp_path, monkeypatch, capsys):
+    fresh, old, leftover = tmp_path / "fresh.yml", tmp_path / "old.yml", tmp_path / "gone.yml"
+    fresh.write_text("a\n")
+    old.write_text("before\n")
+    leftover.write_text("x\n")
+    monkeypatch.setattr(regenerate, "render_all", lambda: {fresh: "a\n", old: "after\n", tmp_path / "new.yml": "n\n"})
+    monkeypatch.setattr(regenerate, "GENERATED_ONLY", ((tmp_path, "*.yml"),))
+    assert regenerate.main(["--check"]) == 1
+    err = capsys.readouterr().err
+    listed = [line.strip() for line in err.splitlines() if line.startswith("  ")]
+    assert listed == [str(leftover), str(tmp_path / "new.yml"), str(old)]
+    assert "regenerate them with: .venv/bin/python deploy/generate.py" in err
+    assert old.read_text() == "before\n" and leftover.exists()      # --check writes nothing
+    assert regenerate.main([]) == 0
+    assert old.read_text() == "after\n" and (tmp_path / "new.yml").read_text() == "n\n" and not leftover.exists()
+    assert regenerate.main(["--check"]) == 0
+
+
+def test_each_generator_cli_is_the_shared_one_or_writes_a_variant(monkeypatch):
+    from grafana import generate as grafana_generate
+    from prometheus import generate as prometheus_generate
+
+    calls = []
+    monkeypatch.setattr(subprocess, "call", lambda argv: calls.append(argv[1:]) or 0)
+    for main in (prometheus_generate.main, grafana_generate.main, generate.main):
+        assert main(["--check"]) == 0 and main([]) == 0
+    shared = str(DEPLOY / "generate.py")
+    assert calls == [[shared, "--check"], [shared]] * 3
+    with pytest.raises(SystemExit):  # a variant of the committed rules needs somewhere else to go
+        prometheus_generate.main(["--override", str(REPO / "prometheus" / "fast.yaml")])
 
 
 def test_generator_release_option(tmp_path):
@@ -538,7 +604,7 @@ def test_slurm_scripts_parse_and_launch_one_exporter_per_node():
     assert re.search(r"srun --overlap --nodes=\S+ --ntasks-per-node=1 .*?python -m rankscope.exporter --addr 0\.0\.0\.0",
                      commands)
     assert re.search(r"srun --nodes=\S+ --ntasks-per-node=1 .*?torchrun .*--rdzv-id=\"\$SLURM_JOB_ID\" "
-                     r"-m training\.train", commands)
+                     r"-m rankscope\.train", commands)
     assert "RANKSCOPE_EXPORTER=external" in script
 
 
@@ -553,6 +619,7 @@ def test_slurm_prometheus_config_passes_promtool(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.integration  # an exporter process and Prometheus
 def test_slurm_prolog_and_epilog_register_the_node_with_a_real_prometheus(tmp_path):
     sd_dir, state_dir = tmp_path / "file_sd", tmp_path / "state"
     port = free_port()

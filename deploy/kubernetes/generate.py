@@ -10,23 +10,32 @@
 Both carry ``release: <helm release>``: kube-prometheus-stack's Prometheus
 only loads PrometheusRules (and PodMonitors) that carry its release label.
 
-    python deploy/kubernetes/generate.py                      # rewrite the files
-    python deploy/kubernetes/generate.py --check              # exit 1 if they drift
-    python deploy/kubernetes/generate.py --release monitoring --out /tmp/k8s
+Both are computed from the rule files and dashboards as prometheus/generate.py
+and grafana/generate.py render them (not as they are on disk), so one
+``python deploy/generate.py`` run regenerates all of them consistently.
 
-The committed files use the release name ``kube-prometheus-stack``; tests
-fail when they drift from prometheus/ or grafana/.
+    python deploy/generate.py [--check]                            # every generated file, these included
+    python deploy/kubernetes/generate.py --release monitoring --out /tmp/k8s   # another Helm release
+
+Without ``--release``/``--out`` this command is the same as deploy/generate.py;
+``--release`` without ``--out`` rewrites the committed copies for that release
+(deploy/generate.py --check then reports them as stale).
+The committed files use the release name ``kube-prometheus-stack``.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # run as a script or loaded by path: make prometheus/ and grafana/ importable
+    sys.path.insert(0, str(REPO))
 RULES_DIR = REPO / "prometheus" / "rules"
 DASHBOARDS_DIR = REPO / "grafana" / "dashboards"
 OUT_DIR = Path(__file__).resolve().parent / "generated"
@@ -43,37 +52,33 @@ def common_labels(release: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "rankscope", "app.kubernetes.io/part-of": "rankscope", "release": release}
 
 
-def rule_files(rules_dir: Path = RULES_DIR) -> list[Path]:
-    return sorted(rules_dir.glob("*.yml"))
+def _texts(upstream: Mapping[Path, str], directory: Path, suffix: str) -> dict[Path, str]:
+    return {path: text for path, text in sorted(upstream.items()) if path.parent == directory and path.suffix == suffix}
 
 
-def rule_groups(rules_dir: Path = RULES_DIR) -> list[dict]:
-    """Every rule group of every rule file, in file then group order."""
+def rule_groups(rule_texts: Mapping[Path, str]) -> list[dict]:
+    """Every rule group of every rule file, in file (sorted name) then group order."""
     groups: list[dict] = []
-    for path in rule_files(rules_dir):
-        doc = yaml.safe_load(path.read_text()) or {}
+    for _, text in sorted(rule_texts.items()):
+        doc = yaml.safe_load(text) or {}
         groups.extend(doc.get("groups") or [])
     return groups
 
 
-def prometheus_rule(release: str, rules_dir: Path = RULES_DIR) -> dict:
+def prometheus_rule(release: str, rule_texts: Mapping[Path, str]) -> dict:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
         "metadata": {"name": "rankscope", "labels": common_labels(release)},
-        "spec": {"groups": rule_groups(rules_dir)},
+        "spec": {"groups": rule_groups(rule_texts)},
     }
 
 
-def dashboard_files(dashboards_dir: Path = DASHBOARDS_DIR) -> list[Path]:
-    return sorted(dashboards_dir.glob("*.json"))
-
-
-def dashboard_configmaps(release: str, dashboards_dir: Path = DASHBOARDS_DIR) -> list[dict]:
+def dashboard_configmaps(release: str, dashboard_texts: Mapping[Path, str]) -> list[dict]:
     """One ConfigMap per dashboard: a ConfigMap holds at most 1 MiB, and one
     per dashboard keeps each far below that."""
     maps = []
-    for path in dashboard_files(dashboards_dir):
+    for path, text in sorted(dashboard_texts.items()):
         maps.append({
             "apiVersion": "v1",
             "kind": "ConfigMap",
@@ -83,7 +88,7 @@ def dashboard_configmaps(release: str, dashboards_dir: Path = DASHBOARDS_DIR) ->
                 # Used when the sidecar's folderAnnotation is set to grafana_folder.
                 "annotations": {"grafana_folder": "rankscope"},
             },
-            "data": {path.name: path.read_text()},
+            "data": {path.name: text},
         })
     return maps
 
@@ -105,37 +110,56 @@ def dump(docs: list[dict]) -> str:
                          allow_unicode=True, explicit_start=True)
 
 
-def render(release: str = DEFAULT_RELEASE) -> dict[str, str]:
-    """File name -> content of every generated file."""
-    rule_sources = ", ".join(str(p.relative_to(REPO)) for p in rule_files()) or "prometheus/rules/*.yml (none yet)"
-    dash_sources = ", ".join(str(p.relative_to(REPO)) for p in dashboard_files()) or "grafana/dashboards/*.json (none yet)"
+def upstream_outputs() -> dict[Path, str]:
+    """The rule files and dashboards these objects copy, freshly rendered."""
+    from grafana import generate as grafana_generate
+    from prometheus import generate as prometheus_generate
+
+    return {**prometheus_generate.outputs(), **grafana_generate.outputs()}
+
+
+def render(release: str = DEFAULT_RELEASE, upstream: Mapping[Path, str] | None = None) -> dict[str, str]:
+    """File name -> content of every generated file.
+
+    ``upstream``: path -> text of the rule files (``prometheus/rules/*.yml``)
+    and dashboards (``grafana/dashboards/*.json``) to copy; rendered here when
+    not given.
+    """
+    upstream = upstream_outputs() if upstream is None else upstream
+    rules = _texts(upstream, RULES_DIR, ".yml")
+    dashboards = _texts(upstream, DASHBOARDS_DIR, ".json")
+    rule_sources = ", ".join(str(p.relative_to(REPO)) for p in rules) or "prometheus/rules/*.yml (none yet)"
+    dash_sources = ", ".join(str(p.relative_to(REPO)) for p in dashboards) or "grafana/dashboards/*.json (none yet)"
     return {
-        RULE_FILE: HEADER.format(source=rule_sources) + dump([prometheus_rule(release)]),
-        DASHBOARD_FILE: HEADER.format(source=dash_sources) + dump(dashboard_configmaps(release)),
+        RULE_FILE: HEADER.format(source=rule_sources) + dump([prometheus_rule(release, rules)]),
+        DASHBOARD_FILE: HEADER.format(source=dash_sources) + dump(dashboard_configmaps(release, dashboards)),
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--release", default=DEFAULT_RELEASE,
-                   help=f"Helm release name of kube-prometheus-stack (label `release`; default {DEFAULT_RELEASE})")
-    p.add_argument("--out", type=Path, default=OUT_DIR, help="output directory (default deploy/kubernetes/generated)")
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file differs")
-    args = p.parse_args(argv)
+def outputs(upstream: Mapping[Path, str] | None = None) -> dict[Path, str]:
+    """The committed files (path -> text), for the default release; ``upstream`` as for render()."""
+    return {OUT_DIR / name: text for name, text in render(DEFAULT_RELEASE, upstream).items()}
 
-    stale = []
-    for name, content in render(args.release).items():
-        path = args.out / name
-        if args.check:
-            if not path.exists() or path.read_text() != content:
-                stale.append(path)
-            continue
-        args.out.mkdir(parents=True, exist_ok=True)
-        path.write_text(content)
-        print(f"wrote {path}")
-    if stale:
-        print("out of date (run python deploy/kubernetes/generate.py): " + ", ".join(map(str, stale)), file=sys.stderr)
-        return 1
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Without --release/--out: regenerate (or --check) every generated file, "
+                                       "as python deploy/generate.py does.")
+    p.add_argument("--release", help=f"Helm release name of kube-prometheus-stack (label `release`; "
+                                     f"default {DEFAULT_RELEASE})")
+    p.add_argument("--out", type=Path, help=f"output directory (default {OUT_DIR.relative_to(REPO)})")
+    p.add_argument("--check", action="store_true", help="deploy/generate.py --check (takes no other option)")
+    args = p.parse_args(argv)
+    if args.release is None and args.out is None:
+        return subprocess.call([sys.executable, str(REPO / "deploy" / "generate.py"),
+                                *(["--check"] if args.check else [])])
+    if args.check:
+        p.error("--check verifies the committed files; it takes no --release or --out")
+    out = args.out or OUT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    for name, content in render(args.release or DEFAULT_RELEASE).items():
+        (out / name).write_text(content)
+        print(f"wrote {out / name}")
     return 0
 
 
