@@ -16,8 +16,8 @@ RANK_STATES: tuple[str, ...] = (
     "stuck_in_collective",  # heartbeating, no step for a while, inside a collective
     "stuck",                # heartbeating, no step for a while, outside any collective
     "frozen",               # process alive, heartbeat stopped (SIGSTOP, GIL held in native code)
-    "dead",                 # process gone without finishing
-    "finished",             # the monitor was closed normally
+    "dead",                 # process gone without finishing, or its monitor ended on an exception
+    "finished",             # the monitor was closed after the loop completed (no exception on the way)
 )
 
 COLLECTORS: tuple[str, ...] = ("ranks", "nvml")
@@ -54,6 +54,8 @@ EXPORTER_METRICS: tuple[MetricSpec, ...] = (
     _rank("rankscope_step_stalled_seconds", "gauge",
           "Seconds since the rank last completed a step (since it started, if none)."),
     _rank("rankscope_heartbeat_age_seconds", "gauge", "Seconds since the rank's last heartbeat."),
+    _rank("rankscope_rank_failure_info", "gauge",
+          "1 for a rank whose monitor ended on an exception, labelled with the exception's type.", ("exception",)),
     _rank("rankscope_collective_in_flight_seconds", "gauge",
           "Seconds the collective now in flight has been running; 0 when none is.", ("op",)),
     # per GPU, from NVML

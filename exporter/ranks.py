@@ -50,7 +50,7 @@ def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> Non
         stalled = now - (v.last_step or v.reg.started_at)
         if v.reg.finished_at:
             v.state = "finished"
-        elif not v.alive:
+        elif not v.alive or v.reg.failed_at:   # gone, or on its way out on an exception
             v.state = "dead"
         elif process_state(v.reg.pid) == "T" or (v.heartbeat and now - v.heartbeat > cfg.frozen_after_s):
             v.state = "frozen"
@@ -149,7 +149,7 @@ class RankCollector:
 
 def _last_seen(v: RankView) -> float:
     """When the rank last showed signs of life."""
-    return v.reg.finished_at or v.last_step or v.heartbeat or v.reg.started_at
+    return v.reg.finished_at or v.reg.failed_at or v.last_step or v.heartbeat or v.reg.started_at
 
 
 def _index(merged: Iterable[Metric]) -> dict[tuple, float]:
@@ -171,7 +171,7 @@ def _index(merged: Iterable[Metric]) -> dict[tuple, float]:
 def _derived_families() -> dict[str, GaugeMetricFamily]:
     names = ("rankscope_rank_up", "rankscope_rank_state", "rankscope_hang_suspect",
              "rankscope_step_stalled_seconds", "rankscope_heartbeat_age_seconds",
-             "rankscope_collective_in_flight_seconds")
+             "rankscope_collective_in_flight_seconds", "rankscope_rank_failure_info")
     return {n: GaugeMetricFamily(n, EXPORTER_SPECS[n].help, labels=EXPORTER_SPECS[n].label_names) for n in names}
 
 
@@ -181,6 +181,8 @@ def _add_view(families: dict[str, GaugeMetricFamily], v: RankView, now: float) -
     for state in RANK_STATES:
         families["rankscope_rank_state"].add_metric(ident + [state], 1.0 if v.state == state else 0.0)
     families["rankscope_hang_suspect"].add_metric(ident, 1.0 if v.suspect else 0.0)
+    if v.reg.exception:
+        families["rankscope_rank_failure_info"].add_metric(ident + [v.reg.exception], 1.0)
     if v.state in ("dead", "finished"):
         return
     families["rankscope_step_stalled_seconds"].add_metric(ident, max(now - (v.last_step or v.reg.started_at), 0.0))

@@ -146,8 +146,10 @@ ALERTS: tuple[Alert, ...] = (
           "unless on (run, rank) (rankscope_rank_state{SEL,state=\"finished\"} == 1)",
           "critical",
           "Rank {{ $labels.rank }} of run {{ $labels.run }} is down",
-          "In " + WHO + " (local rank {{ $labels.local_rank }}), the rank process is gone without finishing. "
-          "Its peers will block in their next collective."),
+          "In " + WHO + " (local rank {{ $labels.local_rank }}), the rank process is gone without finishing"
+          "{{ with printf `rankscope_rank_failure_info{SEL,run=\"%s\",rank=\"%s\"}` $labels.run $labels.rank "
+          "| query }}{{ range . }}: it raised {{ .Labels.exception }}{{ end }}{{ else }}: it was killed or exited "
+          "without closing its monitor{{ end }}. Its peers will block in their next collective."),
     Alert("RankscopeHangSuspect",
           # The exporter marks a rank outside any collective while its node's
           # peers wait in one; the second branch finds the same across nodes.

@@ -66,6 +66,7 @@ DRILLS = (
     Drill("hang", ("--hang-at", str(FAULT_STEP)), "RankscopeHangSuspect", "/page"),
     Drill("slow_rank", ("--slow-rank-delay", "0.15"), "RankscopeStraggler", "/chat", fault_step=None),
     Drill("rank_killed", ("--crash-at", str(FAULT_STEP)), "RankscopeRankDown", "/page"),
+    Drill("rank_exception", ("--raise-at", str(FAULT_STEP)), "RankscopeRankDown", "/page"),
 )
 
 
@@ -79,6 +80,7 @@ class DrillResult:
     error: str | None = None
     deliveries: list[Delivery] = field(default_factory=list)
     prometheus_alerts: list[dict] = field(default_factory=list)
+    final_states: dict[str, str] = field(default_factory=dict)   # rank -> state, read from the exporter at the end
 
 
 def drill_alertmanager_config(hook: WebhookReceiver) -> str:
@@ -181,6 +183,8 @@ def run_fault_drill(drill: Drill, rules_dir: Path) -> DrillResult:
                 finally:
                     result.deliveries = stack.hook.snapshot()
                     result.prometheus_alerts = prom.alerts()
+                    result.final_states = {s.labels["rank"]: s.labels["state"] for s in job.scrape()
+                                           if s.name == "rankscope_rank_state" and s.value == 1}
             finally:
                 prom.__exit__(None, None, None)
             result.delivery = delivery
@@ -281,6 +285,15 @@ def test_hang_page_names_the_collective_peers_wait_in(drill_results):
     assert r.alert is not None, _describe(r)
     # DDP's gradient all-reduce is where the healthy rank waits for the hung one.
     assert "while its peers wait in all_reduce" in r.alert["annotations"]["description"]
+
+
+def test_a_rank_that_raises_pages_with_its_exception_and_no_rank_reads_finished(drill_results):
+    """The exception ends rank 1; torchrun then tears rank 0 down (a gloo error or its
+    SIGTERM). Neither completed its loop, so neither may read ``finished``."""
+    r = drill_results["rank_exception"]
+    assert r.alert is not None, _describe(r)
+    assert "it raised ValueError" in r.alert["annotations"]["description"]
+    assert r.final_states and "finished" not in r.final_states.values(), r.final_states
 
 
 def test_healthy_run_fires_nothing(drill_results):

@@ -102,12 +102,8 @@ def compute(seconds: float) -> None:
         pass
 
 
-@pytest.mark.parametrize("shape", ["fetched_inside_step", "fetched_before_step", "one_batch_per_step"])
-def test_step_durations_add_up_to_the_loop_wall_time(monitor, shape):
-    # Few, long steps: the loop's own code between steps (µs) is the only time
-    # outside them, and a preemption landing there on a loaded 2-core machine
-    # (a few ms) must stay well under 2% of the wall time.
-    steps, micro, wait, work = 5, 4, 0.03, 0.02
+def run_loop(monitor: Monitor, shape: str, steps: int, micro: int, wait: float, work: float) -> tuple[float, int]:
+    """The loop's wall time, and how many batches it fetched."""
     per_step = 1 if shape == "one_batch_per_step" else micro
     batches = iter(monitor.data(SlowLoader(steps * per_step, wait)))
     t0 = time.perf_counter()
@@ -129,14 +125,35 @@ def test_step_durations_add_up_to_the_loop_wall_time(monitor, shape):
             with monitor.step() as step:
                 with step.phase("forward"):
                     compute(work)
-    wall = time.perf_counter() - t0
-    got = published(monitor)
-    assert got[("rankscope_step_duration_seconds_sum",)] == pytest.approx(wall, rel=0.02)
-    data = got[("rankscope_phase_seconds_total", "data")]
-    assert data == pytest.approx(steps * per_step * wait, rel=0.25)
-    assert data >= steps * per_step * wait                          # every wait, not the last one only
-    phases = sum(v for k, v in got.items() if k[0] == "rankscope_phase_seconds_total")
-    assert phases == pytest.approx(got[("rankscope_step_duration_seconds_sum",)], rel=1e-6)
+    return time.perf_counter() - t0, steps * per_step
+
+
+@pytest.mark.parametrize("shape", ["fetched_inside_step", "fetched_before_step", "one_batch_per_step"])
+def test_step_durations_add_up_to_the_loop_wall_time(monitor, shape):
+    """Before the fix: +39% (batches drawn inside the step) and -38% (prefetched).
+
+    The loop's own code between steps (µs) is the only time outside them, but
+    a preemption landing there on a loaded 2-core machine can cost a few ms;
+    so the best of three attempts must be within 2%. A wrong accounting is
+    off in every attempt."""
+    errors = []
+    for _ in range(3):
+        before = published(monitor)
+        wall, batches = run_loop(monitor, shape, steps=5, micro=4, wait=0.03, work=0.02)
+        got = published(monitor)
+
+        def delta(key):
+            return got[key] - before.get(key, 0.0)
+
+        total = delta(("rankscope_step_duration_seconds_sum",))
+        phases = sum(delta(k) for k in got if k[0] == "rankscope_phase_seconds_total")
+        assert phases == pytest.approx(total, rel=1e-6)            # the phases partition each step
+        data = delta(("rankscope_phase_seconds_total", "data"))
+        assert batches * 0.03 <= data < batches * 0.03 * 1.5      # every wait, not the last one only
+        errors.append(abs(total - wall) / wall)
+        if errors[-1] <= 0.02:
+            return
+    pytest.fail(f"step durations vs wall time off by {[f'{e:.1%}' for e in errors]}")
 
 
 # -- misuse fails loudly ----------------------------------------------------------------
@@ -295,3 +312,68 @@ def test_a_cuda_anomaly_found_after_the_step_is_traced(tmp_path, monkeypatch):
         roots = {s.attributes[ATTR_STEP]: s.attributes.get(ATTR_ANOMALY, "")
                  for s in receiver.spans() if s.name == ROOT_SPAN}
     assert roots.get(4) == "nonfinite_loss", roots
+
+
+# -- how a monitor ends: finished only when the loop completed ------------------------------
+
+def registration_of(m: Monitor):
+    from rankscope.contract.rundir import load_registrations
+
+    (reg,) = load_registrations(m.run_dir)
+    return reg
+
+
+def test_a_clean_close_is_finished(monitor):
+    run_steps(monitor, 2)
+    monitor.close()
+    reg = registration_of(monitor)
+    assert reg.finished_at and not reg.failed_at and reg.exception == ""
+
+
+def test_leaving_the_monitor_on_an_exception_is_failed(tmp_path, monkeypatch):
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(KeyError):
+        with Monitor(exporter="off", metrics_dir=tmp_path / "a", run="with") as m:
+            raise KeyError("bad batch")
+    reg = registration_of(m)
+    assert reg.failed_at and not reg.finished_at and reg.exception == "KeyError"
+
+    m = Monitor(exporter="off", metrics_dir=tmp_path / "b", run="finally")
+    with pytest.raises(torch.OutOfMemoryError):
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        finally:
+            m.close()   # the usual try/finally: runs while the OOM propagates
+    assert registration_of(m).exception == "OutOfMemoryError"
+
+
+UNCAUGHT = """
+import sys
+from rankscope import Monitor
+m = Monitor(exporter="off", metrics_dir=sys.argv[1], run="uncaught")
+with m.step():
+    pass
+if sys.argv[2] == "raise":
+    raise RuntimeError("Connection closed by peer")
+sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize("how, exception", [("raise", "RuntimeError"), ("exit", "")])
+def test_an_uncaught_exception_marks_the_rank_failed_at_exit(tmp_path, how, exception):
+    """No close() in the script: the exit hook closes the monitor, after the
+    exception hook has seen the exception that ends the interpreter."""
+    import subprocess
+    import sys
+
+    from rankscope.contract.rundir import load_registrations
+
+    env = {k: v for k, v in __import__("os").environ.items() if k not in LAUNCH_VARS}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    proc = subprocess.run([sys.executable, "-c", UNCAUGHT, str(tmp_path), how], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == (1 if exception else 0), proc.stderr
+    (reg,) = load_registrations(tmp_path / "uncaught")
+    assert reg.exception == exception
+    assert bool(reg.finished_at) == (not exception) and bool(reg.failed_at) == bool(exception)

@@ -171,6 +171,26 @@ def test_states_and_hang_suspect(tmp_path):
     assert [v.rank for v in (x.reg for x in views if x.suspect)] == [2]
 
 
+def test_a_rank_that_ended_on_an_exception_is_dead_and_names_it(tmp_path):
+    """Even while its process is still on its way out, a failed rank is not
+    finished (no alert) nor progressing: it is dead, and its exception is exported."""
+    from rankscope.exporter.ranks import _add_view, _derived_families
+
+    cfg = ExporterConfig(directory=tmp_path)
+    now = time.time()
+    failed = _view(0, heartbeat=now, last_step=now - 1)
+    failed.reg.end(now, "OutOfMemoryError")
+    clean = _view(1, alive=False, last_step=now - 1)
+    clean.reg.end(now, "")
+    derive_states([failed, clean], cfg, now)
+    assert (failed.state, clean.state) == ("dead", "finished")
+    families = _derived_families()
+    for v in (failed, clean):
+        _add_view(families, v, now)
+    info = families["rankscope_rank_failure_info"].samples
+    assert [(s.labels["rank"], s.labels["exception"], s.value) for s in info] == [("0", "OutOfMemoryError", 1.0)]
+
+
 def test_no_suspect_while_collectives_are_short(tmp_path):
     cfg = ExporterConfig(directory=tmp_path)
     now = time.time()

@@ -38,7 +38,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Sequence
 
-from rankscope import comm_timing
+from rankscope import comm_timing, exit_status
 from rankscope.accounting import JudgeSettings, StepAccounting
 from rankscope.collectives import CollectiveTracker, check_op, tensor_nbytes
 from rankscope.config import MonitorConfig
@@ -115,6 +115,7 @@ class Monitor:
         self.metrics.mem_limit.set(memory.host_limit)
         self._closed = False
         self.publisher.start()
+        exit_status.install()
         atexit.register(self.close)
 
     def watch(self, ddp_model: Any) -> Any:
@@ -186,7 +187,17 @@ class Monitor:
 
     # -- shutdown -------------------------------------------------------------
     def close(self) -> None:
-        """Publish what is left, mark the rank finished, stop the publisher."""
+        """Publish what is left and stop. The rank is ``finished`` only if no
+        exception is on its way (see rankscope.exit_status); else ``failed``."""
+        self._end(exit_status.failure())
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self._end(exit_status.failure(exc))
+
+    def _end(self, failure: str) -> None:
         if self._closed:
             return
         self._closed = True
@@ -194,18 +205,12 @@ class Monitor:
             self.tracing.shutdown(timeout_s=2.0)
             self.publisher.stop(timeout_s=2.0)   # after the tracer: spans dropped at shutdown are counted too
             self._rank_info.publish_when_known(final=True)
-            self.registration.finished_at = time.time()
+            self.registration.end(time.time(), failure)
             self.registration.save(self.run_dir)
         except Exception:
             self.errors.error("publisher")
         finally:
             _release(self)
-
-    def __enter__(self) -> "Monitor":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def _claim(monitor: Monitor) -> None:

@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f.add_argument("--loss-spike-at", type=int, default=None, metavar="STEP", help="multiply the loss by 50 at STEP")
     f.add_argument("--oom-at", type=int, default=None, metavar="STEP", help="raise an out-of-memory error at STEP")
     f.add_argument("--crash-at", type=int, default=None, metavar="STEP", help="SIGKILL the rank at STEP")
+    f.add_argument("--raise-at", type=int, default=None, metavar="STEP",
+                   help="raise an exception (a data error) in the loop at STEP")
     f.add_argument("--hang-at", type=int, default=None, metavar="STEP", help="hang before the collective of STEP")
     f.add_argument("--slow-rank-delay", type=float, default=0.0, metavar="S", help="extra compute seconds per step")
     f.add_argument("--slow-data-delay", type=float, default=0.0, metavar="S", help="extra seconds per batch load")
@@ -162,6 +164,8 @@ class Faults:
             raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 80.00 GiB")
         if self.at("crash_at", step):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.at("raise_at", step):
+            raise ValueError(f"injected: corrupt sample in batch of step {step}")
         if self.on and self.args.slow_rank_delay:
             time.sleep(self.args.slow_rank_delay)
 

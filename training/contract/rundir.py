@@ -81,8 +81,17 @@ class Registration:
     agent_pid: int
     agent_start_ticks: int | None
     started_at: float
-    finished_at: float | None = None
+    finished_at: float | None = None   # set only when the training loop completed
+    failed_at: float | None = None     # set when the monitor ended on an exception
+    exception: str = ""                # its type name, when known
     info: dict[str, str] = field(default_factory=dict)
+
+    def end(self, at: float, exception: str) -> None:
+        """Record how the rank's monitor ended: cleanly (finished) or on ``exception`` (failed)."""
+        if exception:
+            self.failed_at, self.exception = at, exception
+        else:
+            self.finished_at = at
 
     @property
     def labels(self) -> dict[str, str]:
