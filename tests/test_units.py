@@ -324,3 +324,21 @@ def test_reducer_mode_without_ddp_timers_fails_at_watch(tmp_path, monkeypatch):
             monitor.watch(torch.nn.Linear(2, 2))
     finally:
         monitor.close()
+
+
+def test_reducer_timing_counts_a_long_backward_as_waiting_not_compute():
+    """DDP's timers are read on 1 step in 10. A peer frozen for 30 s makes this
+    rank's backward last 30 s on a step the last sample knows nothing of: that
+    time is waiting (comm_wait), or the rank would look like a straggler."""
+    from rankscope.comm_timing import ReducerTiming
+
+    class SampledTimers:
+        exposed = 0.002   # the last sample: 2 ms of exposed all-reduce
+
+    timing = ReducerTiming(CollectiveTracker(world_size=2), on_error=lambda: None)
+    timing.timers = SampledTimers()
+    for _ in range(50):
+        assert timing.exposed_wait(0.0, 0.012, 0.012) == pytest.approx(0.002)   # usual steps: the sample
+    assert timing.exposed_wait(0.0, 30.0, 30.0) == pytest.approx(30.0 - 0.012, rel=1e-3)
+    assert timing.usual_backward < 0.03                                        # the wait did not become usual
+    assert timing.exposed_wait(0.0, 0.013, 0.013) == pytest.approx(0.002)

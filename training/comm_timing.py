@@ -33,6 +33,7 @@ from rankscope.collectives import CollectiveRecord, CollectiveTracker
 from rankscope.contract.environment import ConfigError
 
 REDUCER_SAMPLE_EVERY = 10   # steps between reads of DDP's own communication timers
+UNUSUAL_BACKWARD_FACTOR = 2.0   # a backward this many times the usual one waited for a peer on this step
 
 
 class CommTiming:
@@ -108,6 +109,7 @@ class ReducerTiming(CommTiming):
         self.tracker = tracker
         self.on_error = on_error
         self.timers: ReducerTimers | None = None
+        self.usual_backward = 0.0     # seconds: a moving average of backward that long waits do not drag up
 
     def attach(self, model: Any) -> None:
         super().attach(model)
@@ -124,8 +126,18 @@ class ReducerTiming(CommTiming):
         return "all_reduce" if getattr(self.model, "require_backward_grad_sync", True) else None
 
     def exposed_wait(self, backward_start: float, backward_end: float, backward_seconds: float) -> float:
-        # DDP's timers, from the latest sampled step: an estimate for the others.
-        return min(self.timers.exposed, backward_seconds)
+        """DDP's timers, from the latest sampled step, stand for the steps between samples;
+        but a backward far longer than usual waited for a peer (a frozen or hung rank)
+        on *this* step, and the sample cannot know it: the excess over the usual
+        backward is counted as waiting, not as this rank's compute."""
+        usual = self.usual_backward
+        exposed = self.timers.exposed
+        if usual and backward_seconds > UNUSUAL_BACKWARD_FACTOR * usual:
+            exposed = max(exposed, backward_seconds - usual)
+        # A clipped moving average: one long wait must not become the usual.
+        clipped = min(backward_seconds, UNUSUAL_BACKWARD_FACTOR * usual) if usual else backward_seconds
+        self.usual_backward = usual + 0.05 * (clipped - usual) if usual else clipped
+        return min(exposed, backward_seconds)
 
     def step_ended(self) -> None:
         try:
