@@ -342,3 +342,16 @@ def test_reducer_timing_counts_a_long_backward_as_waiting_not_compute():
     assert timing.exposed_wait(0.0, 30.0, 30.0) == pytest.approx(30.0 - 0.012, rel=1e-3)
     assert timing.usual_backward < 0.03                                        # the wait did not become usual
     assert timing.exposed_wait(0.0, 0.013, 0.013) == pytest.approx(0.002)
+
+
+def test_the_memory_limit_is_read_from_the_process_own_cgroup(tmp_path):
+    """Under Slurm or systemd (cgroup v1, no namespace) the job's limit is in its
+    own cgroup's directory; the mount's root file is the unlimited root cgroup."""
+    from rankscope.memory import _cgroup_limit_files
+
+    proc = tmp_path / "cgroup"
+    proc.write_text("4:memory:/slurm/uid_1/job_7\n0::/user.slice\n")
+    files = [str(p.relative_to(tmp_path)) for p in _cgroup_limit_files(str(proc), str(tmp_path))]
+    assert files.index("memory/slurm/uid_1/job_7/memory.limit_in_bytes") < files.index(
+        "memory/memory.limit_in_bytes")
+    assert files[0] == "user.slice/memory.max"

@@ -30,16 +30,44 @@ def rss_bytes() -> float:
 
 
 def host_limit_bytes() -> float:
-    """cgroup v2 or v1 memory limit; the host's physical memory when unlimited."""
+    """The memory limit of this process's cgroup (v2 or v1), or the host's
+    physical memory when there is none.
+
+    The cgroup is the process's own, from /proc/self/cgroup: under Slurm or
+    systemd without a cgroup namespace, the files at the mount's root belong
+    to the root cgroup, which has no limit."""
     total = float(os.sysconf("SC_PHYS_PAGES") * _PAGE)
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    for path in _cgroup_limit_files():
         try:
-            raw = Path(path).read_text().strip()
+            raw = path.read_text().strip()
         except OSError:
             continue
         if raw.isdigit() and 0 < int(raw) < total:
             return float(raw)
     return total
+
+
+def _cgroup_limit_files(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> list[Path]:
+    """memory.max (v2) / memory.limit_in_bytes (v1) of this process's cgroup, then of the mount's root."""
+    v2 = v1 = ""
+    try:
+        for line in Path(proc_cgroup).read_text().splitlines():
+            hierarchy, controllers, path = line.split(":", 2)
+            if hierarchy == "0" and controllers == "":
+                v2 = path
+            elif "memory" in controllers.split(","):
+                v1 = path
+    except (OSError, ValueError):
+        pass
+    base = Path(root)
+    candidates = []
+    for mount in (base, base / "unified"):
+        if v2:
+            candidates.append(mount / v2.lstrip("/") / "memory.max")
+    if v1:
+        candidates.append(base / "memory" / v1.lstrip("/") / "memory.limit_in_bytes")
+    candidates += [base / "memory.max", base / "memory" / "memory.limit_in_bytes"]
+    return candidates
 
 
 class MemorySampler:
