@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import random
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -50,10 +52,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-cap-mb", type=float, default=0.1,
                    help="DDP gradient bucket size (small by default so the small model has several buckets)")
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step on every rank (longer runs)")
+    p.add_argument("--checkpoint-dir", type=Path, default=None,
+                   help="save the step reached here at each checkpoint; --resume starts from it")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (0: never)")
+    p.add_argument("--resume", action="store_true", help="start from the step saved in --checkpoint-dir")
+    n = p.add_argument_group("the noise of a healthy run (for quiet-alert drills)")
+    n.add_argument("--jitter", type=float, default=0.0, metavar="R", help="vary --step-delay by +-R (0.2: +-20%%)")
+    n.add_argument("--loss-noise", type=float, default=0.0, metavar="R", help="multiply the loss by 1 +- R")
+    n.add_argument("--eval-pause", type=float, default=0.0, metavar="S", help="extra seconds per evaluation")
+    n.add_argument("--checkpoint-pause", type=float, default=0.0, metavar="S", help="seconds each checkpoint takes")
     f = p.add_argument_group("fault injection")
     f.add_argument("--fault-rank", type=int, default=None, help="rank the faults target (default: the last rank)")
+    f.add_argument("--all-ranks", action="store_true", help="the faults target every rank")
     f.add_argument("--nan-loss-at", type=int, default=None, metavar="STEP", help="make the loss NaN at STEP")
     f.add_argument("--loss-spike-at", type=int, default=None, metavar="STEP", help="multiply the loss by 50 at STEP")
+    f.add_argument("--loss-spikes-from", type=int, default=None, metavar="STEP",
+                   help="multiply the loss by 50 at STEP and every 10 steps after, 5 times")
+    f.add_argument("--diverge-from", type=int, default=None, metavar="STEP",
+                   help="from STEP on, the loss grows by 1%% of its level per step (a divergence trend)")
+    f.add_argument("--leak-mb-per-step", type=float, default=0.0, metavar="MB",
+                   help="from --leak-from on, keep MB more host memory per step (memory creep)")
+    f.add_argument("--leak-from", type=int, default=0, metavar="STEP")
+    f.add_argument("--leak-max-mb", type=float, default=2048.0, metavar="MB", help="stop leaking at this total")
     f.add_argument("--oom-at", type=int, default=None, metavar="STEP", help="raise an out-of-memory error at STEP")
     f.add_argument("--crash-at", type=int, default=None, metavar="STEP", help="SIGKILL the rank at STEP")
     f.add_argument("--raise-at", type=int, default=None, metavar="STEP",
@@ -65,8 +85,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "batch_size", "hidden", "samples", "eval_every", "print_every"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
-    if args.workers < 0 or args.slow_rank_delay < 0 or args.slow_data_delay < 0 or args.step_delay < 0:
-        p.error("--workers and delays must be >= 0")
+    if min(args.workers, args.slow_rank_delay, args.slow_data_delay, args.step_delay, args.eval_pause,
+           args.checkpoint_pause, args.checkpoint_every, args.leak_mb_per_step) < 0:
+        p.error("--workers, delays, pauses and sizes must be >= 0")
+    if not 0 <= args.jitter < 1 or not 0 <= args.loss_noise < 1:
+        p.error("--jitter and --loss-noise must be in [0, 1)")
+    if (args.resume or args.checkpoint_every) and args.checkpoint_dir is None:
+        p.error("--resume and --checkpoint-every need --checkpoint-dir")
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
         p.error(f"--metrics-port {args.metrics_port} is not a TCP port (1-65535)")
     return args
@@ -148,32 +173,47 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class Faults:
-    """The faults this rank injects (all off unless it is the fault rank)."""
+    """The faults this rank injects (all off unless it is a fault rank), and the noise of a healthy run."""
 
     def __init__(self, args: argparse.Namespace, rank: int, world: int):
         fault_rank = world - 1 if args.fault_rank is None else args.fault_rank
-        self.on = rank == fault_rank
+        self.on = args.all_ranks or rank == fault_rank
         self.rank = rank
         self.args = args
+        self.leaked: list[bytearray] = []
+        self.noise = random.Random(args.seed * 1000 + rank)
 
     def at(self, what: str, step: int) -> bool:
         return self.on and getattr(self.args, what) == step
 
     def before_forward(self, step: int) -> None:
+        a = self.args
         if self.at("oom_at", step):
             raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 80.00 GiB")
         if self.at("crash_at", step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.at("raise_at", step):
             raise ValueError(f"injected: corrupt sample in batch of step {step}")
-        if self.on and self.args.slow_rank_delay:
-            time.sleep(self.args.slow_rank_delay)
+        if self.on and a.slow_rank_delay:
+            time.sleep(a.slow_rank_delay)
+        if self.on and a.leak_mb_per_step and step >= a.leak_from and len(self.leaked) * a.leak_mb_per_step < a.leak_max_mb:
+            self.leaked.append(bytearray(int(a.leak_mb_per_step * 2**20)))   # zero-filled: resident at once
+        if a.step_delay:
+            time.sleep(a.step_delay * self.noise.uniform(1 - a.jitter, 1 + a.jitter))
 
     def loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        a = self.args
+        if a.loss_noise:
+            loss = loss * self.noise.uniform(1 - a.loss_noise, 1 + a.loss_noise)
         if self.at("nan_loss_at", step):
             return loss * float("nan")
         if self.at("loss_spike_at", step):
             return loss * 50.0
+        spikes_from = a.loss_spikes_from
+        if self.on and spikes_from is not None and 0 <= step - spikes_from < 50 and (step - spikes_from) % 10 == 0:
+            return loss * 50.0
+        if self.on and a.diverge_from is not None and step >= a.diverge_from:
+            return loss * (1.0 + 0.01 * (step - a.diverge_from))
         return loss
 
     def before_backward(self, step: int) -> None:
@@ -199,35 +239,52 @@ def train(args: argparse.Namespace, monitor: Monitor, device: torch.device) -> N
     accuracy = monitor.gauge("eval_accuracy_ratio", "Accuracy of the reference model on the held-out set.")
     eval_loss_metric = monitor.gauge("eval_loss", "Loss of the reference model on the held-out set.")
     loss_fn = nn.CrossEntropyLoss()
-    step, epoch, t_start = 0, 0, time.perf_counter()
+    step = load_checkpoint(args.checkpoint_dir) if args.resume else 0
+    epoch, first, t_start = 0, step, time.perf_counter()
     while step < args.steps:
         sampler.set_epoch(epoch)
         for x, y in monitor.data(loader):
             if step >= args.steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = train_step(monitor, model, opt, loss_fn, x, y, step, faults, args.step_delay)
+            loss = train_step(monitor, model, opt, loss_fn, x, y, step, faults)
             step += 1
             if step % args.eval_every == 0 or step == args.steps:
                 eval_loss, acc = evaluate(model, eval_set, device, monitor)
+                time.sleep(args.eval_pause)
                 sched.step(eval_loss)
                 accuracy.set(acc)
                 eval_loss_metric.set(eval_loss)
                 if rank == 0:
                     print(f"step {step}: eval loss {eval_loss:.4f} accuracy {acc:.3f}", flush=True)
+            if args.checkpoint_every and step % args.checkpoint_every == 0:
+                save_checkpoint(args.checkpoint_dir, step, rank, args.checkpoint_pause)
             if rank == 0 and step % args.print_every == 0:
                 print(f"step {step}/{args.steps} loss {loss.item():.4f} lr {opt.param_groups[0]['lr']:.4g} "
-                      f"{1000 * (time.perf_counter() - t_start) / step:.1f} ms/step", flush=True)
+                      f"{1000 * (time.perf_counter() - t_start) / (step - first):.1f} ms/step", flush=True)
         epoch += 1
 
 
+def save_checkpoint(directory: Path, step: int, rank: int, pause_s: float) -> None:
+    """Stands for a checkpoint: every rank spends ``pause_s`` on it; rank 0 writes the step."""
+    time.sleep(pause_s)
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "step.tmp").write_text(str(step))
+        os.replace(directory / "step.tmp", directory / "step")
+    dist.barrier()
+
+
+def load_checkpoint(directory: Path) -> int:
+    path = directory / "step"
+    return int(path.read_text()) if path.exists() else 0
+
+
 def train_step(monitor: Monitor, model: nn.Module, opt: torch.optim.Optimizer, loss_fn: nn.Module,
-               x: torch.Tensor, y: torch.Tensor, step: int, faults: Faults, step_delay: float) -> torch.Tensor:
-    with monitor.step(samples=len(x)) as s:
+               x: torch.Tensor, y: torch.Tensor, step: int, faults: Faults) -> torch.Tensor:
+    with monitor.step(samples=len(x), step=step) as s:
         with s.phase("forward"):
             faults.before_forward(step)
-            if step_delay:
-                time.sleep(step_delay)
             loss = faults.loss(loss_fn(model(x), y), step)
         faults.before_backward(step)
         with s.phase("backward"):
