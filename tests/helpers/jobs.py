@@ -77,7 +77,13 @@ def wait_until(condition: Callable[[], object], timeout: float, interval: float 
 class TrainJob:
     def __init__(self, nproc: int = 2, steps: int = 300, extra_args: Iterable[str] = (),
                  env: dict[str, str] | None = None, port: int | None = None, metrics_dir: Path | None = None,
-                 run_id: str | None = None):
+                 run_id: str | None = None, nodes: tuple[int, int, int] | None = None,
+                 wrap: list[str] | None = None):
+        """``nodes``: (node count, this node's rank, rendezvous port) to act as one node of a
+        multi-node job on loopback (static rendezvous; node 0 hosts the store). ``wrap``: a
+        command prefix that execs the rest (e.g. one that joins a cgroup first)."""
+        self.nodes = nodes
+        self.wrap = list(wrap or [])
         self.nproc = nproc
         self.steps = steps
         self.extra_args = list(extra_args)
@@ -94,7 +100,13 @@ class TrainJob:
 
     @property
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.nproc),
+        if self.nodes is None:
+            launch = ["--standalone"]
+        else:
+            count, node_rank, rdzv_port = self.nodes
+            launch = ["--nnodes", str(count), "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
+                      "--master-port", str(rdzv_port), "--rdzv-id", self.run_id]
+        return [*self.wrap, sys.executable, "-m", "torch.distributed.run", *launch, "--nproc-per-node", str(self.nproc),
                 "-m", "rankscope.train", "--steps", str(self.steps), "--metrics-port", str(self.port),
                 "--run-id", self.run_id, *self.extra_args]
 

@@ -1,0 +1,434 @@
+"""The fault matrix: every fault in a real job, every alert it delivers, one page per cause.
+
+Each fault runs the reference trainer (real torchrun, gloo on 127.0.0.1) with
+one fault injected, its node exporter(s), a Prometheus of its own with the
+shipped rules (the fast variant, prometheus/fast.yaml) and one Alertmanager
+with the shipped routes and inhibitions, whose webhooks point at a receiver
+in the test. Every delivery is recorded. For each fault the test checks that
+
+* the alert that names the cause is delivered, firing, to its receiver
+  (critical -> /page, warning -> /chat), naming the faulty rank(s);
+* nothing else is delivered for that run, except the alerts listed in the
+  fault's ``allowed`` with the reason (the runbook says the same);
+
+and healthy runs with realistic noise (step-time jitter, loss noise,
+evaluation pauses, a checkpoint pause, a restart from a checkpoint) deliver
+nothing at all.
+
+Fault time: the first exporter poll that shows the faulty rank at the step
+before the fault (or the moment the test acts: SIGSTOP, SIGKILL). Page time:
+arrival of the matching webhook POST.
+
+``RANKSCOPE_WRITE_DOCS=1`` writes the table into docs/alerting.md (between the
+fault-matrix markers); the table is always printed. ``RANKSCOPE_MATRIX_ONLY=a,b``
+runs only those faults (while working on one).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import os
+import shutil
+import signal
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from prometheus import generate
+from tests.helpers.jobs import TrainJob, free_port
+from tests.helpers.promstack import AlertmanagerServer, Delivery, PrometheusServer, WebhookReceiver, firing_alerts
+
+ROOT = Path(__file__).resolve().parent.parent
+ALERTMANAGER_YML = ROOT / "prometheus" / "alertmanager.yml"
+FAST_OVERRIDE = ROOT / "prometheus" / "fast.yaml"
+ALERTING_DOC = ROOT / "docs" / "alerting.md"
+MATRIX_START, MATRIX_END = "<!-- fault-matrix:start -->", "<!-- fault-matrix:end -->"
+
+STEPS = 100_000            # jobs run until the test ends them
+STEP_DELAY = "0.05"        # ~20 steps/s on every rank: steady and cheap
+FAULT_STEP = 200           # ~10 s into training, after Prometheus's first scrape
+START_TIMEOUT = 180.0      # job start to the fault step (torch starts slowly on a loaded 2-core machine)
+PAGE_TIMEOUT = 90.0        # fault to the cause's delivery
+OBSERVE_AFTER_S = 20.0     # after the cause's delivery, how long other deliveries are awaited
+PARALLEL = 3               # slow-stepping jobs: three at a time fit on two cores
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    args: tuple[str, ...]
+    cause: str                           # the alert that names the cause
+    ranks: tuple[str, ...] = ("1",)      # the ranks it must name
+    fault_step: int | None = FAULT_STEP  # None: the fault acts from the first step
+    act: str = ""                        # sigstop | kill_exporter | lose_node: done by the test at the fault step
+    nodes: int = 1                       # 2: two torchrun agents (one rank each) as two nodes
+    allowed: tuple[tuple[str, str], ...] = ()   # (alertname, why) also delivered, by design
+    cgroup_limit_mb: int = 0             # run the job in a memory cgroup with this limit
+
+    @property
+    def path(self) -> str:
+        return "/page" if self.cause in CRITICAL else "/chat"
+
+
+CRITICAL = {"RankscopeNonFiniteLoss", "RankscopeOutOfMemory", "RankscopeRankDown", "RankscopeHangSuspect",
+            "RankscopeRunStalled", "RankscopeRankFrozen", "RankscopeNodeLost"}
+TORN_DOWN = ("RankscopeRankDown", "torchrun tears the other ranks down after one fails: they are down too, in the "
+             "same notification; the first rank down is the cause")
+
+FAULTS = (
+    Fault("nan_loss", ("--nan-loss-at", str(FAULT_STEP)), "RankscopeNonFiniteLoss"),
+    Fault("loss_spikes", ("--loss-spikes-from", str(FAULT_STEP)), "RankscopeLossSpikes"),
+    Fault("divergence", ("--diverge-from", "700"), "RankscopeLossDiverging", fault_step=700),
+    Fault("oom", ("--oom-at", str(FAULT_STEP)), "RankscopeOutOfMemory"),
+    Fault("rank_killed", ("--crash-at", str(FAULT_STEP)), "RankscopeRankDown", allowed=(TORN_DOWN,)),
+    Fault("rank_exception", ("--raise-at", str(FAULT_STEP)), "RankscopeRankDown", allowed=(TORN_DOWN,)),
+    Fault("hang", ("--hang-at", str(FAULT_STEP)), "RankscopeHangSuspect"),
+    Fault("hang_two_nodes", ("--hang-at", str(FAULT_STEP)), "RankscopeHangSuspect", nodes=2),
+    Fault("frozen", (), "RankscopeRankFrozen", act="sigstop"),
+    Fault("straggler_1_5x", ("--slow-rank-delay", "0.03"), "RankscopeStraggler", fault_step=None),
+    Fault("straggler_3x", ("--slow-rank-delay", "0.11"), "RankscopeStraggler", fault_step=None),
+    Fault("slow_data_one_rank", ("--slow-data-delay", "0.1"), "RankscopeInputBound", fault_step=None),
+    Fault("slow_data_all_ranks", ("--slow-data-delay", "0.1", "--all-ranks"), "RankscopeInputBound",
+          ranks=("0", "1"), fault_step=None),
+    Fault("memory_creep", ("--leak-mb-per-step", "10", "--leak-from", str(FAULT_STEP), "--leak-max-mb", "3000"),
+          "RankscopeMemoryExhaustionPredicted", cgroup_limit_mb=6144),
+    Fault("exporter_down", (), "RankscopeTargetDown", ranks=(), act="kill_exporter"),
+    Fault("node_lost", (), "RankscopeNodeLost", act="lose_node", nodes=2),
+)
+
+
+@dataclass
+class Outcome:
+    fault: str
+    run: str
+    cause_delivery: Delivery | None = None
+    time_to_page_s: float | None = None
+    delivered: list[tuple[str, str, str]] = field(default_factory=list)   # (path, alertname, rank), firing
+    error: str | None = None
+    skipped: str | None = None
+    final_states: dict[str, str] = field(default_factory=dict)   # rank -> state, from the exporters at the end
+    prometheus_firing: list[dict] = field(default_factory=list)
+
+    def cause_alerts(self, fault: Fault) -> list[dict]:
+        return firing_alerts(self.cause_delivery, fault.cause) if self.cause_delivery else []
+
+
+# -- the stack ------------------------------------------------------------------------------
+
+def alertmanager_config(hook: WebhookReceiver) -> str:
+    """The shipped alertmanager.yml with the webhooks pointed at the test receiver and the
+    grouping delays cut to a second (the fast rules evaluate every second)."""
+    config = copy.deepcopy(yaml.safe_load(ALERTMANAGER_YML.read_text()))
+    config["route"].update(group_wait="1s", group_interval="1s")
+    for route in config["route"].get("routes", []):
+        route["group_wait"] = "1s"
+        if "group_interval" in route:
+            route["group_interval"] = "1s"
+    for receiver in config["receivers"]:
+        for webhook in receiver.get("webhook_configs", []):
+            webhook["url"] = hook.url(urlparse(webhook["url"]).path)
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def run_deliveries(hook: WebhookReceiver, run: str) -> list[tuple[str, str, str]]:
+    seen = []
+    for d in hook.snapshot():
+        for a in firing_alerts(d):
+            if a["labels"].get("run") == run:
+                key = (d.path, a["labels"]["alertname"], a["labels"].get("rank", ""))
+                if key not in seen:
+                    seen.append(key)
+    return seen
+
+
+class Jobs:
+    """The job of one fault: one torchrun agent, or two acting as two nodes."""
+
+    def __init__(self, fault: Fault, run: str, work: Path):
+        work.mkdir(parents=True, exist_ok=True)
+        self.fault = fault
+        self.cgroup = make_cgroup(fault.cgroup_limit_mb) if fault.cgroup_limit_mb else None
+        extra = ["--step-delay", STEP_DELAY, *fault.args]
+        if fault.nodes == 1:
+            self.jobs = [TrainJob(nproc=2, steps=STEPS, run_id=run, extra_args=extra, metrics_dir=work / "m0",
+                                  wrap=cgroup_wrapper(self.cgroup) if self.cgroup else None)]
+        else:
+            rdzv = free_port()
+            self.jobs = [TrainJob(nproc=1, steps=STEPS, run_id=run, extra_args=extra, metrics_dir=work / f"m{i}",
+                                  nodes=(2, i, rdzv), env={"RANKSCOPE_NODE": f"node-{'ab'[i]}"})
+                         for i in range(2)]
+
+    def __enter__(self) -> "Jobs":
+        for job in self.jobs:
+            job.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for job in reversed(self.jobs):
+            job.__exit__(*exc)
+        if self.cgroup is not None:
+            remove_cgroup(self.cgroup)
+
+    def scrape(self) -> list:
+        samples = []
+        for job in self.jobs:
+            try:
+                samples += job.scrape()
+            except OSError:
+                pass   # a node whose exporter the fault took away
+        return samples
+
+    def targets(self) -> list[str]:
+        return [urlparse(job.url).netloc for job in self.jobs]
+
+    def fault_job(self) -> TrainJob:
+        return self.jobs[-1]   # the last rank lives on the last node
+
+
+def _value(samples, name: str, rank: str) -> float | None:
+    return next((s.value for s in samples if s.name == name and s.labels.get("rank") == rank), None)
+
+
+def fault_reached(fault: Fault, samples) -> bool:
+    if fault.fault_step is None:
+        return (_value(samples, "rankscope_steps_total", "1") or 0) >= 1
+    return ((_value(samples, "rankscope_step", "1") or -1) >= fault.fault_step - 1
+            or _value(samples, "rankscope_rank_up", "1") == 0)
+
+
+def act(fault: Fault, jobs: Jobs) -> None:
+    job = jobs.fault_job()
+    if fault.act == "sigstop":
+        os.kill(job.rank_pids()[1], signal.SIGSTOP)
+    elif fault.act == "kill_exporter":
+        os.kill(job.health()["pid"], signal.SIGKILL)
+    elif fault.act == "lose_node":
+        exporter = job.health()["pid"]
+        job.stop()                      # node B's agent and rank, SIGKILLed
+        os.kill(exporter, signal.SIGKILL)
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def run_fault(fault: Fault, rules: list[Path], am: AlertmanagerServer, hook: WebhookReceiver,
+              work: Path) -> Outcome:
+    run = f"matrix-{fault.name}-{uuid.uuid4().hex[:6]}"
+    out = Outcome(fault.name, run)
+    if fault.cgroup_limit_mb and not cgroups_available():
+        out.skipped = "no writable memory cgroup on this machine (needs root and a memory controller)"
+        return out
+    try:
+        with Jobs(fault, run, work / fault.name) as jobs:
+            for job in jobs.jobs:
+                wait_until(lambda: job.health(), START_TIMEOUT, f"{fault.name}: the node exporter")
+            with PrometheusServer(targets=jobs.targets(), rule_files=rules, alertmanager=am.address) as prom:
+                prom.wait_for_scrape(timeout=30)
+                wait_until(lambda: fault_reached(fault, jobs.scrape()), START_TIMEOUT, f"{fault.name}: the fault step")
+                if fault.act:
+                    act(fault, jobs)
+                t_fault = time.time()
+
+                def is_cause(d: Delivery) -> bool:
+                    named = {a["labels"].get("rank", "") for a in firing_alerts(d, fault.cause)
+                             if a["labels"].get("run") == run}
+                    return d.path == fault.path and bool(named) and set(fault.ranks) <= named | {""}
+
+                try:
+                    out.cause_delivery = hook.wait_for(is_cause, timeout=PAGE_TIMEOUT)
+                    out.time_to_page_s = max(out.cause_delivery.received_at - t_fault, 0.0)
+                    time.sleep(OBSERVE_AFTER_S)
+                finally:
+                    out.delivered = run_deliveries(hook, run)
+                    out.final_states = {x.labels["rank"]: x.labels["state"] for x in jobs.scrape()
+                                        if x.name == "rankscope_rank_state" and x.value == 1}
+    except Exception:  # noqa: BLE001 - reported by the fault's own test
+        out.error = traceback.format_exc()
+    return out
+
+
+HEALTHY_NOISE = ("--jitter", "0.2", "--loss-noise", "0.05", "--eval-every", "400", "--eval-pause", "2",
+                 "--checkpoint-every", "1000", "--checkpoint-pause", "4")
+
+
+def run_healthy(rules: list[Path], am: AlertmanagerServer, hook: WebhookReceiver, work: Path,
+                seconds: float) -> Outcome:
+    """A noisy healthy run that is stopped cleanly at a checkpoint and restarted from it,
+    as a rescheduled job is. Nothing may be delivered."""
+    run = f"matrix-healthy-{uuid.uuid4().hex[:6]}"
+    out = Outcome("healthy", run)
+    port, metrics, ckpt = free_port(), work / "healthy" / "m", work / "healthy" / "ckpt"
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    first_steps = 1000 + int(seconds * 20 * 0.3)   # the restart comes ~30% in, after the first checkpoint
+    try:
+        args = [*HEALTHY_NOISE, "--step-delay", STEP_DELAY, "--checkpoint-dir", str(ckpt)]
+        first = TrainJob(nproc=2, steps=first_steps, run_id=run, port=port, metrics_dir=metrics, extra_args=args)
+        with first, PrometheusServer(targets=[f"127.0.0.1:{port}"], rule_files=rules, alertmanager=am.address) as prom:
+            deadline = time.monotonic() + seconds
+            assert first.wait(timeout=seconds + START_TIMEOUT) == 0, first.log()[-2000:]
+            remaining = max(deadline - time.monotonic(), 30.0)
+            second = TrainJob(nproc=2, steps=STEPS, run_id=run, port=port, metrics_dir=metrics,
+                              extra_args=[*args, "--resume"])
+            with second:
+                time.sleep(remaining)
+                out.delivered = run_deliveries(hook, run)
+                out.prometheus_firing = [a["labels"] for a in prom.alerts() if a["state"] == "firing"]
+    except Exception:  # noqa: BLE001
+        out.error = traceback.format_exc()
+    finally:
+        shutil.rmtree(work / "healthy", ignore_errors=True)
+    return out
+
+
+# -- memory cgroups (the memory-creep fault needs a limit well below the machine's) ----------
+
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+
+
+def cgroups_available() -> bool:
+    return CGROUP_V1.is_dir() and os.access(CGROUP_V1, os.W_OK)
+
+
+def make_cgroup(limit_mb: int) -> Path | None:
+    if not cgroups_available():
+        return None
+    path = CGROUP_V1 / f"rankscope-matrix-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    (path / "memory.limit_in_bytes").write_text(str(limit_mb * 2**20))
+    return path
+
+
+def cgroup_wrapper(path: Path) -> list[str]:
+    return ["sh", "-c", f'echo $$ > {path}/cgroup.procs && exec "$@"', "sh"]
+
+
+def remove_cgroup(path: Path) -> None:
+    for _ in range(50):
+        try:
+            path.rmdir()
+            return
+        except OSError:   # its last processes are still exiting
+            time.sleep(0.1)
+
+
+# -- the matrix ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory, request) -> dict[str, Outcome]:
+    work = tmp_path_factory.mktemp("matrix")
+    rules_dir = work / "rules"
+    generate.main(["--override", str(FAST_OVERRIDE), "--out", str(rules_dir)])
+    rules = [rules_dir / generate.RECORDING_FILE, rules_dir / generate.ALERTS_FILE]
+    started = time.monotonic()
+    with WebhookReceiver() as hook, AlertmanagerServer(config_text=alertmanager_config(hook)) as am:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+            only = set(filter(None, os.environ.get("RANKSCOPE_MATRIX_ONLY", "").split(",")))
+            futures = {"healthy": pool.submit(run_healthy, rules, am, hook, work, 120.0)} \
+                if not only or "healthy" in only else {}
+            futures.update({f.name: pool.submit(run_fault, f, rules, am, hook, work) for f in FAULTS
+                            if not only or f.name in only})
+            outcomes = {name: future.result() for name, future in futures.items()}
+    table = render_table(outcomes)
+    capmanager = request.config.pluginmanager.getplugin("capturemanager")
+    with capmanager.global_and_fixture_disabled():   # printed even without -s
+        print(f"\nfault matrix ({time.monotonic() - started:.0f} s, {PARALLEL} at a time):\n{table}", flush=True)
+    if os.environ.get("RANKSCOPE_WRITE_DOCS") == "1":
+        write_table(table)
+    return outcomes
+
+
+def render_table(outcomes: dict[str, Outcome]) -> str:
+    lines = ["| fault | the page that names the cause | time to page | everything delivered for the run |",
+             "| --- | --- | --- | --- |"]
+    for f in FAULTS:
+        if f.name not in outcomes:
+            continue
+        o = outcomes[f.name]
+        if o.skipped:
+            lines.append(f"| {f.name} | {f.cause} → {f.path} | skipped: {o.skipped} | |")
+            continue
+        seconds = f"{o.time_to_page_s:.1f} s" if o.time_to_page_s is not None else "**not delivered**"
+        delivered = ", ".join(f"{name} rank {rank or '-'} → {path}" for path, name, rank in o.delivered) or "nothing"
+        ranks = f" (rank {', '.join(f.ranks)})" if f.ranks else ""
+        lines.append(f"| {f.name} | {f.cause}{ranks} → {f.path} | {seconds} | {delivered} |")
+    healthy = outcomes.get("healthy", Outcome("healthy", "", skipped="not run"))
+    lines.append(f"| healthy, noisy, restarted (2 min) | none | – | "
+                 f"{', '.join(f'{n} → {p}' for p, n, _ in healthy.delivered) or 'nothing'} |")
+    return "\n".join(lines)
+
+
+def write_table(table: str) -> None:
+    text = ALERTING_DOC.read_text()
+    head, sep, rest = text.partition(MATRIX_START)
+    _, sep2, tail = rest.partition(MATRIX_END)
+    if sep and sep2:
+        ALERTING_DOC.write_text(f"{head}{MATRIX_START}\n{table}\n{MATRIX_END}{tail}")
+
+
+def _describe(o: Outcome) -> str:
+    return f"{o.error or ''}\ndelivered for {o.run}: {o.delivered}"
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=[f.name for f in FAULTS])
+def test_one_page_per_cause(fault: Fault, matrix, record_property):
+    if fault.name not in matrix:
+        pytest.skip("not in RANKSCOPE_MATRIX_ONLY")
+    o = matrix[fault.name]
+    if o.skipped:
+        pytest.skip(o.skipped)
+    assert o.error is None and o.cause_delivery is not None, _describe(o)
+    record_property("time_to_page_seconds", round(o.time_to_page_s, 2))
+    for alert in o.cause_alerts(fault):
+        labels, annotations = alert["labels"], alert["annotations"]
+        assert annotations["runbook_url"].endswith("#" + fault.cause.lower())
+        if labels.get("rank") in fault.ranks:
+            assert f"rank {labels['rank']}" in annotations["description"] + annotations["summary"]
+    allowed = {name for name, _ in fault.allowed} | {fault.cause}
+    others = [(path, name, rank) for path, name, rank in o.delivered if name not in allowed]
+    assert others == [], f"{fault.name}: delivered besides the cause: {others}\n{_describe(o)}"
+
+
+def test_hang_page_names_the_collective_its_peers_wait_in(matrix):
+    for name in ("hang", "hang_two_nodes"):
+        o = matrix[name]
+        alerts = [a for a in o.cause_alerts(next(f for f in FAULTS if f.name == name))
+                  if a["labels"].get("rank") == "1"]
+        assert alerts and "all_reduce" in alerts[0]["annotations"]["description"], _describe(o)
+
+
+def test_a_raised_exception_is_named_and_no_torn_down_rank_reads_finished(matrix):
+    o = matrix["rank_exception"]
+    alerts = [a for a in o.cause_alerts(next(f for f in FAULTS if f.name == "rank_exception"))
+              if a["labels"].get("rank") == "1"]
+    assert alerts and "it raised ValueError" in alerts[0]["annotations"]["description"], _describe(o)
+    assert o.final_states and "finished" not in o.final_states.values(), o.final_states
+
+
+def test_lost_node_page_names_the_node(matrix):
+    o = matrix["node_lost"]
+    alerts = o.cause_alerts(next(f for f in FAULTS if f.name == "node_lost"))
+    assert alerts and any("node-b" in a["annotations"]["description"] + a["labels"].get("node", "")
+                          for a in alerts), _describe(o)
+
+
+def test_a_noisy_healthy_run_with_a_restart_pages_nothing(matrix):
+    o = matrix["healthy"]
+    assert o.error is None, _describe(o)
+    assert o.delivered == [], _describe(o)
