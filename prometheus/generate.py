@@ -7,7 +7,7 @@
 command is the same as ``deploy/generate.py`` (the Kubernetes PrometheusRule
 embeds these files, so they are regenerated together).
 
-Thresholds, `for:` durations and the selector live only in thresholds.yaml;
+Thresholds, `for:` and `keep_firing_for:` durations and the selector live only in thresholds.yaml;
 an override file has the same shape and replaces just the keys it names.
 """
 
@@ -93,12 +93,26 @@ def substitute(text: str, config: dict) -> str:
 def render(config: dict) -> dict[str, dict[str, Any]]:
     """The two rule files as YAML-ready dicts, keyed by file name."""
     group_extra = {"interval": config["rule_interval"]} if config.get("rule_interval") else {}
-    missing = {a.alert for a in ALERTS} - set(config["for"])
+    names = {a.alert for a in ALERTS}
+    missing = names - set(config["for"])
     if missing:
         raise KeyError(f"thresholds.yaml has no `for:` for {sorted(missing)}")
+    keep = config.get("keep_firing_for") or {}
+    unknown = (set(config["for"]) | set(keep)) - names
+    if unknown:
+        raise KeyError(f"thresholds.yaml names alerts that do not exist: {sorted(unknown)}")
+
+    def record(r) -> dict:
+        rule = {"record": r.record, "expr": substitute(r.expr, config)}
+        return {**rule, "labels": dict(r.labels)} if r.labels else rule
+
+    def keep_firing(name: str) -> dict:
+        value = keep.get(name)
+        return {"keep_firing_for": value} if value and duration_seconds(value) > 0 else {}
+
     recording = {"groups": [{
         "name": "rankscope.recording", **group_extra,
-        "rules": [{"record": r.record, "expr": substitute(r.expr, config)} for r in RECORDING_RULES],
+        "rules": [record(r) for r in RECORDING_RULES],
     }]}
     base_url = config["runbook_base_url"]
     alerts = {"groups": [{
@@ -107,6 +121,7 @@ def render(config: dict) -> dict[str, dict[str, Any]]:
             "alert": a.alert,
             "expr": substitute(a.expr, config),
             "for": config["for"][a.alert],
+            **keep_firing(a.alert),
             "labels": {"severity": a.severity},
             "annotations": {
                 "summary": substitute(a.summary, config),

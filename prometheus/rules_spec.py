@@ -15,12 +15,14 @@ own ``up``) may appear; tests/test_rules.py checks it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
 class Record:
     record: str
     expr: str
+    labels: tuple[tuple[str, str], ...] = ()   # static labels the rule adds (e.g. cause="straggler")
 
 
 @dataclass(frozen=True)
@@ -55,12 +57,136 @@ def with_rank_of_gpu(expr: str, *, required: bool = False, rank_filter: str = "r
     return joined if required else f"{joined}\nor on (uuid) ({expr})"
 
 
+def _indent(text: str, by: str = "  ") -> str:
+    return text.replace("\n", "\n" + by)
+
+
+def hysteresis(alert: str, judge: Callable[[str], str], fire: str, hold: str, on: str = "run, rank") -> str:
+    """A threshold with hysteresis: ``judge(fire)`` starts the alert; once it is pending or
+    firing (its own ``ALERTS`` series exists), ``judge(hold)``, a bar on the safe side of
+    ``fire``, keeps it. A value wavering around ``fire`` then goes pending once, fires once
+    ``for:`` later and stays firing, instead of resetting ``for:`` (or resolving) at every
+    dip below the bar: that is how the straggler alert flapped and never paged.
+    ``keep_firing_for`` (thresholds.yaml) adds the same in time, for gaps in the data.
+    """
+    return (f"(\n  {_indent(judge(fire))}\n)\n"
+            f"or (\n  {_indent(judge(hold))}\n  and on ({on}) ALERTS{{alertname=\"{alert}\"}}\n)")
+
+
 # Where (run, rank, node) go in every per-rank description.
 WHO = "run {{ $labels.run }}, rank {{ $labels.rank }} on node {{ $labels.node }}"
 # For GPU alerts, whose rank labels are joined in when a live rank uses the GPU.
 GPU_WHO = ("GPU {{ $labels.gpu }} ({{ $labels.uuid }}) on node {{ $labels.node }}"
            "{{ if $labels.rank }}, used by run {{ $labels.run }}, rank {{ $labels.rank }}"
            "{{ else }}, used by no live rank{{ end }}")
+
+
+# ---- conditions, each written once: the alert that pages on it and the run's
+# ---- "cause present" record that keeps its victims quiet use the same text ----
+
+# The process of a rank is gone and its monitor was not closed after the loop.
+RANK_DOWN = ("rankscope_rank_up{SEL} == 0\n"
+             "unless on (run, rank) (rankscope_rank_state{SEL,state=\"finished\"} == 1)")
+
+# A live rank outside any collective while its peers wait in one. The exporter
+# marks it when the peers are on its node; the second branch finds the same
+# across nodes. A frozen rank is excluded: RankscopeRankFrozen says more (the
+# interpreter itself stopped) and pages for it.
+HANG_SUSPECT = (
+    "rankscope_step_stalled_seconds{SEL}\n"
+    "and on (run, rank) (\n"
+    "  rankscope_hang_suspect{SEL} == 1\n"
+    "  or on (run, rank) (\n"
+    "    max by (run, rank) (rankscope_collective_in_flight_seconds{SEL}) == 0\n"
+    "    and on (run) (max by (run) (rankscope_collective_in_flight_seconds{SEL}) > <<hang_peer_wait_seconds>>)\n"
+    "    and on (run, rank) (rankscope_step_stalled_seconds{SEL} > <<hang_peer_wait_seconds>>)\n"
+    "  )\n"
+    ")\n"
+    "unless on (run, rank) (rankscope_rank_state{SEL,state=\"frozen\"} == 1)")
+
+RANK_FROZEN = ("rankscope_heartbeat_age_seconds{SEL}\n"
+               "and on (run, rank) (rankscope_rank_state{SEL,state=\"frozen\"} == 1)")
+
+# No step for stall_seconds; a rank that has not completed its first step yet
+# (loading a checkpoint, compiling) gets startup_stall_seconds. Either way a
+# rank whose step counter still grows is not stalled, whatever its last-step
+# clock says (a rank-side bug once froze that clock while steps were counted).
+STALLED = (
+    "(\n"
+    "  (\n"
+    "    rankscope_step_stalled_seconds{SEL} > <<stall_seconds>>\n"
+    "    unless on (run, rank) (rankscope_steps_total{SEL} == 0)\n"
+    "  )\n"
+    "  or rankscope_step_stalled_seconds{SEL} > <<startup_stall_seconds>>\n"
+    ")\n"
+    "unless on (run, rank) (increase(rankscope_steps_total{SEL}[<<progress_window>>]) > 0)")
+
+# Rate-window judgements (straggler, input, communication, throughput) wait
+# until the window no longer reaches back before the launch's first step: until
+# then it measures start-up (the first batch's loader start, compilation, a
+# restart's gap), not training. rank:rankscope_steps:warming_up marks those ranks.
+WARM = "\nunless on (run, rank) rank:rankscope_steps:warming_up"
+
+# Compute per step against the median of the rank's peers, with a negligible
+# absolute floor (only sub-millisecond toy loops are below it).
+STRAGGLER = (
+    "(\n  "
+    + _indent(hysteresis("RankscopeStraggler",
+                         lambda bar: f"rank:rankscope_phase_seconds:compute_per_step_peer_ratio > {bar}",
+                         "<<straggler_ratio>>", "<<straggler_hold_ratio>>"))
+    + "\n)\n"
+    "and on (run, rank) (\n"
+    "  rank:rankscope_phase_seconds:compute_per_step\n"
+    "  - on (run) group_left () run:rankscope_phase_seconds:compute_per_step_peer_median\n"
+    "  > <<straggler_min_excess_seconds>>\n"
+    ")" + WARM)
+
+INPUT_BOUND = "(\n  " + _indent(hysteresis(
+    "RankscopeInputBound",
+    lambda bar: f"rank_phase:rankscope_phase_seconds:fraction{{phase=\"data\"}} > {bar}",
+    "<<input_bound_ratio>>", "<<input_bound_hold_ratio>>")) + "\n)" + WARM
+
+COMM_BOUND = "(\n  " + _indent(hysteresis(
+    "RankscopeCommunicationBound",
+    lambda bar: f"rank_phase:rankscope_phase_seconds:fraction{{phase=\"comm_wait\"}} > {bar}",
+    "<<comm_bound_ratio>>", "<<comm_bound_hold_ratio>>")) + "\n)" + WARM
+
+THROUGHPUT_DROP = "(\n  " + _indent(hysteresis(
+    "RankscopeThroughputDrop",
+    lambda bar: ("run:rankscope_steps:rate\n"
+                 f"< {bar} * avg_over_time(run:rankscope_steps:rate[<<throughput_baseline_window>>]"
+                 " offset <<throughput_baseline_offset>>)"),
+    "<<throughput_drop_ratio>>", "<<throughput_drop_hold_ratio>>", on="run")) + "\n)" \
+    "\nunless on (run) rank:rankscope_steps:warming_up"
+
+# A lost node: ranks that vanished with their exporter (rank:rankscope_rank_up:lost)
+# while the run's other ranks stopped. Torn down by the launcher (every visible
+# rank dead) is proof at once; stuck (blocked in a collective with the lost
+# ranks) needs the exporter unreachable for node_lost_unreachable_for, so one
+# failed scrape during a hang is not a lost node.
+NODE_LOST = (
+    "(\n"
+    "  rank:rankscope_rank_up:lost\n"
+    "  and on (run) run:rankscope_ranks:torn_down\n"
+    ")\n"
+    "or (\n"
+    "  rank:rankscope_rank_up:lost\n"
+    "  unless on (job, instance) (max_over_time(up{SEL}[<<node_lost_unreachable_for>>]) == 1)\n"
+    "  and on (run) run:rankscope_ranks:stopped\n"
+    ")")
+
+
+def cause(name: str, alert: str, condition: str) -> Record:
+    """run:rankscope_cause:present{cause=NAME}: 1 while ALERT's condition holds in the run
+    or the alert is pending or firing (keep_firing_for included). The victims' alerts of
+    the run (CommunicationBound, ThroughputDrop, RunStalled, ...) are not judged then."""
+    return Record("run:rankscope_cause:present",
+                  f"group by (run) (\n  (\n    {_indent(condition, '    ')}\n  )\n  or ALERTS{{alertname=\"{alert}\"}}\n)",
+                  labels=(("cause", name),))
+
+
+# Causes whose peers stall: a dead, lost, hung or frozen rank blocks the others.
+STALL_CAUSES = "rank_down|node_lost|hang_suspect|frozen"
 
 
 RECORDING_RULES: tuple[Record, ...] = (
@@ -90,6 +216,28 @@ RECORDING_RULES: tuple[Record, ...] = (
            "/ rate(rankscope_steps_total{SEL}[<<rate_window>>])"),
     Record("run:rankscope_phase_seconds:compute_per_step_median",
            "quantile by (run) (0.5, rank:rankscope_phase_seconds:compute_per_step)"),
+    # The straggler's baseline: the median of the run WITHOUT its slowest rank,
+    # i.e. the slowest rank's peers. The median of all ranks includes the
+    # straggler: in a 2-rank run it is the mean of the two, and a 1.5x rank reads
+    # only 1.2x it. No peers (1 rank): no baseline. Ranks without steps in the
+    # window (NaN) are left out.
+    Record("run:rankscope_phase_seconds:compute_per_step_peer_median",
+           "quantile by (run) (0.5,\n"
+           "  rank:rankscope_phase_seconds:compute_per_step >= 0\n"
+           "  unless on (run, rank) topk by (run) (1, rank:rankscope_phase_seconds:compute_per_step >= 0)\n"
+           ")"),
+    Record("rank:rankscope_phase_seconds:compute_per_step_peer_ratio",
+           "rank:rankscope_phase_seconds:compute_per_step\n"
+           "/ on (run) group_left () run:rankscope_phase_seconds:compute_per_step_peer_median"),
+    # 1 for a rank whose rate window still reaches back before its first step of
+    # this launch: it has not stepped yet, or had not a window ago (absent or 0),
+    # or its counter restarted within the window (a new launch of the run).
+    Record("rank:rankscope_steps:warming_up",
+           "rankscope_steps_total{SEL} * 0 + 1\n"
+           "unless on (run, rank) (\n"
+           "  rankscope_steps_total{SEL} offset <<rate_window>> > 0\n"
+           "  unless on (run, rank) (resets(rankscope_steps_total{SEL}[<<rate_window>>]) > 0)\n"
+           ")"),
     # Throughput per run.
     Record("run:rankscope_steps:rate", "avg by (run) (rate(rankscope_steps_total{SEL}[<<rate_window>>]))"),
     Record("run:rankscope_samples:rate", "sum by (run) (rate(rankscope_samples_total{SEL}[<<rate_window>>]))"),
@@ -103,6 +251,32 @@ RECORDING_RULES: tuple[Record, ...] = (
            "1 - rankscope_device_memory_reserved_bytes{SEL} / (rankscope_device_memory_total_bytes{SEL} > 0)"),
     Record("rank:rankscope_host_memory:headroom_ratio",
            "1 - rankscope_host_memory_rss_bytes{SEL} / (rankscope_host_memory_limit_bytes{SEL} > 0)"),
+    # ---- a lost node ------------------------------------------------------------
+    # Ranks alive within the window whose series are gone now, behind an exporter
+    # that does not answer (down, or dropped from service discovery): what a lost
+    # node looks like from Prometheus. An exporter that is merely down looks the
+    # same; the run's other ranks tell them apart (the next two records).
+    Record("rank:rankscope_rank_up:lost",
+           "max_over_time(rankscope_rank_up{SEL}[<<node_lost_window>>]) == 1\n"
+           "unless on (run, rank) rankscope_rank_up{SEL}\n"
+           "unless on (run, rank) (last_over_time(rankscope_rank_state{SEL,state=\"finished\"}[<<node_lost_window>>]) == 1)\n"
+           "unless on (job, instance) (up{SEL} == 1)"),
+    # Every rank of the run still visible is dead: the launcher tore the run down.
+    Record("run:rankscope_ranks:torn_down",
+           "count by (run) (rankscope_rank_state{SEL,state=\"dead\"} == 1)\n"
+           "unless on (run) (rankscope_rank_state{SEL,state!=\"dead\"} == 1)"),
+    # No visible rank of the run starts or progresses; some are stuck, frozen or dead.
+    Record("run:rankscope_ranks:stopped",
+           "count by (run) (rankscope_rank_state{SEL,state=~\"stuck_in_collective|stuck|frozen|dead\"} == 1)\n"
+           "unless on (run) (rankscope_rank_state{SEL,state=~\"starting|progressing\"} == 1)"),
+    # ---- causes present in a run (1 per cause): their victims are not blamed ---
+    cause("rank_down", "RankscopeRankDown", RANK_DOWN),
+    cause("node_lost", "RankscopeNodeLost", NODE_LOST),
+    cause("hang_suspect", "RankscopeHangSuspect", HANG_SUSPECT),
+    cause("frozen", "RankscopeRankFrozen", RANK_FROZEN),
+    cause("stalled", "RankscopeRunStalled", STALLED),
+    cause("straggler", "RankscopeStraggler", STRAGGLER),
+    cause("input_bound", "RankscopeInputBound", INPUT_BOUND),
 )
 
 
@@ -141,27 +315,31 @@ ALERTS: tuple[Alert, ...] = (
           "In " + WHO + ", {{ $value }} step(s) in the last <<grad_explosion_window>> had a gradient norm "
           "far above its moving average."),
     # ---- liveness and hangs -------------------------------------------------
+    # Ranks of a lost node's run that the launcher tore down are its victims:
+    # NodeLost pages for them (`for:` gives the lost exporter a scrape or two to
+    # be noticed; Alertmanager also inhibits them).
     Alert("RankscopeRankDown",
-          "rankscope_rank_up{SEL} == 0\n"
-          "unless on (run, rank) (rankscope_rank_state{SEL,state=\"finished\"} == 1)",
+          "(\n  " + _indent(RANK_DOWN) + "\n)\n"
+          "unless on (run) run:rankscope_cause:present{cause=\"node_lost\"}",
           "critical",
           "Rank {{ $labels.rank }} of run {{ $labels.run }} is down",
           "In " + WHO + " (local rank {{ $labels.local_rank }}), the rank process is gone without finishing"
           "{{ with printf `rankscope_rank_failure_info{SEL,run=\"%s\",rank=\"%s\"}` $labels.run $labels.rank "
           "| query }}{{ range . }}: it raised {{ .Labels.exception }}{{ end }}{{ else }}: it was killed or exited "
           "without closing its monitor{{ end }}. Its peers will block in their next collective."),
+    Alert("RankscopeNodeLost",
+          NODE_LOST,
+          "critical",
+          "Run {{ $labels.run }} lost node {{ $labels.node }}: rank {{ $labels.rank }} is gone",
+          "In " + WHO + " (local rank {{ $labels.local_rank }}), the rank was alive and is gone with its node: "
+          "the exporter at {{ $labels.instance }} does not answer, and the run's other ranks stopped ("
+          "{{ range $i, $s := printf `count by (state) (rankscope_rank_state{SEL,run=\"%s\"} == 1)` $labels.run "
+          "| query | sortByLabel \"state\" }}{{ if $i }}, {{ end }}{{ $s.Value }} {{ $s.Labels.state }}{{ end }}). "
+          "Lost with node {{ $labels.node }}: rank(s) "
+          "{{ range $i, $s := printf `rank:rankscope_rank_up:lost{run=\"%s\",instance=\"%s\"}` $labels.run "
+          "$labels.instance | query | sortByLabel \"rank\" }}{{ if $i }}, {{ end }}{{ $s.Labels.rank }}{{ end }}."),
     Alert("RankscopeHangSuspect",
-          # The exporter marks a rank outside any collective while its node's
-          # peers wait in one; the second branch finds the same across nodes.
-          "rankscope_step_stalled_seconds{SEL}\n"
-          "and on (run, rank) (\n"
-          "  rankscope_hang_suspect{SEL} == 1\n"
-          "  or on (run, rank) (\n"
-          "    max by (run, rank) (rankscope_collective_in_flight_seconds{SEL}) == 0\n"
-          "    and on (run) (max by (run) (rankscope_collective_in_flight_seconds{SEL}) > <<hang_peer_wait_seconds>>)\n"
-          "    and on (run, rank) (rankscope_step_stalled_seconds{SEL} > <<hang_peer_wait_seconds>>)\n"
-          "  )\n"
-          ")",
+          HANG_SUSPECT,
           "critical",
           "Run {{ $labels.run }} hangs; suspect rank {{ $labels.rank }} on node {{ $labels.node }}",
           "In " + WHO + ", no step for {{ $value | humanizeDuration }} and the rank is outside any collective "
@@ -169,8 +347,11 @@ ALERTS: tuple[Alert, ...] = (
           "{{ with printf `topk(1, max by (op) (rankscope_collective_in_flight_seconds{SEL,run=\"%s\"}) > 0)` "
           "$labels.run | query }}{{ range . }}{{ .Labels.op }} (for {{ .Value | humanizeDuration }})"
           "{{ end }}{{ else }}a collective{{ end }}. This rank is the likely culprit."),
+    # The victims of a dead, lost, hung or frozen rank stall too: the cause's own
+    # alert pages for the run, this one only when no cause is known.
     Alert("RankscopeRunStalled",
-          "rankscope_step_stalled_seconds{SEL} > <<stall_seconds>>",
+          "(\n  " + _indent(STALLED) + "\n)\n"
+          f"unless on (run) run:rankscope_cause:present{{cause=~\"{STALL_CAUSES}\"}}",
           "critical",
           "Run {{ $labels.run }} stalled: rank {{ $labels.rank }} completed no step",
           "In " + WHO + ", no step completed for {{ $value | humanizeDuration }}"
@@ -178,21 +359,35 @@ ALERTS: tuple[Alert, ...] = (
           "$labels.run $labels.rank | query }}{{ range . }}; it waits in {{ .Labels.op }} for "
           "{{ .Value | humanizeDuration }}{{ end }}{{ else }}; it is in no collective{{ end }}."),
     Alert("RankscopeRankFrozen",
-          "rankscope_heartbeat_age_seconds{SEL}\n"
-          "and on (run, rank) (rankscope_rank_state{SEL,state=\"frozen\"} == 1)",
+          RANK_FROZEN,
           "critical",
           "Rank {{ $labels.rank }} of run {{ $labels.run }} is frozen",
           "In " + WHO + ", the process is alive but its heartbeat stopped {{ $value | humanizeDuration }} ago: "
           "the interpreter is stuck (GIL held in native code, SIGSTOP, D state)."),
+    # One alert per run that had live ranks behind the exporter (they are
+    # invisible now), else one for the exporter itself.
     Alert("RankscopeTargetDown",
-          "(up{SEL} == 0)\n"
-          "* on (job, instance) group_left (node)\n"
-          "max by (job, instance, node) (last_over_time(rankscope_exporter_info{SEL}[1h]))\n"
-          "or on (job, instance) (up{SEL} == 0)",
+          "group by (job, instance, node, run) (\n"
+          "  last_over_time(rankscope_rank_up{SEL}[<<node_lost_window>>]) == 1\n"
+          "  unless on (run, rank) rankscope_rank_up{SEL}\n"
+          ")\n"
+          "and on (job, instance) (up{SEL} == 0)\n"
+          "or on (job, instance) (\n"
+          "  (up{SEL} == 0)\n"
+          "  * on (job, instance) group_left (node)\n"
+          "  max by (job, instance, node) (last_over_time(rankscope_exporter_info{SEL}[1h]))\n"
+          "  or on (job, instance) (up{SEL} == 0)\n"
+          ")",
           "warning",
           "rankscope exporter {{ $labels.instance }} is down",
           "Prometheus cannot scrape the rankscope exporter at {{ $labels.instance }} (job {{ $labels.job }}"
-          "{{ with $labels.node }}, node {{ . }}{{ end }}): every run and rank on that node is invisible."),
+          "{{ with $labels.node }}, node {{ . }}{{ end }}): "
+          "{{ if $labels.run }}rank(s) "
+          "{{ range $i, $s := printf `last_over_time(rankscope_rank_up{SEL,run=\"%s\",instance=\"%s\"}"
+          "[<<node_lost_window>>]) == 1 unless on (run, rank) rankscope_rank_up{SEL}` $labels.run $labels.instance "
+          "| query | sortByLabel \"rank\" }}{{ if $i }}, {{ end }}{{ $s.Labels.rank }}{{ end }} of run {{ $labels.run }} "
+          "there, alive at the last scrape, are invisible, as is every other run on that node"
+          "{{ else }}every run and rank on that node is invisible{{ end }}."),
     # ---- memory ---------------------------------------------------------------
     Alert("RankscopeOutOfMemory",
           new_events("rankscope_oom_total{SEL}", "<<event_window>>"),
@@ -200,10 +395,12 @@ ALERTS: tuple[Alert, ...] = (
           "Out of memory in run {{ $labels.run }} (rank {{ $labels.rank }})",
           "In " + WHO + ", {{ $value }} out-of-memory error(s) were raised in the last <<event_window>>."),
     Alert("RankscopeMemoryHeadroomLow",
-          "label_replace(rank:rankscope_device_memory:headroom_ratio < <<memory_headroom_min_ratio>>,"
-          " \"memory\", \"device\", \"\", \"\")\n"
-          "or label_replace(rank:rankscope_host_memory:headroom_ratio < <<memory_headroom_min_ratio>>,"
-          " \"memory\", \"host\", \"\", \"\")",
+          hysteresis("RankscopeMemoryHeadroomLow",
+                     lambda bar: (f"label_replace(rank:rankscope_device_memory:headroom_ratio < {bar},"
+                                  " \"memory\", \"device\", \"\", \"\")\n"
+                                  f"or label_replace(rank:rankscope_host_memory:headroom_ratio < {bar},"
+                                  " \"memory\", \"host\", \"\", \"\")"),
+                     "<<memory_headroom_min_ratio>>", "<<memory_headroom_hold_ratio>>", on="run, rank, memory"),
           "warning",
           "Low {{ $labels.memory }} memory headroom in run {{ $labels.run }} (rank {{ $labels.rank }})",
           "In " + WHO + ", only {{ $value | humanizePercentage }} of {{ $labels.memory }} memory is left."),
@@ -226,34 +423,31 @@ ALERTS: tuple[Alert, ...] = (
           "<<alloc_retry_window>>: memory is fragmented or nearly full."),
     # ---- bottlenecks --------------------------------------------------------
     Alert("RankscopeStraggler",
-          "rank:rankscope_phase_seconds:compute_per_step\n"
-          "> on (run) group_left () (<<straggler_ratio>> * run:rankscope_phase_seconds:compute_per_step_median)\n"
-          "and on (run, rank) (\n"
-          "  rank:rankscope_phase_seconds:compute_per_step\n"
-          "  - on (run) group_left () run:rankscope_phase_seconds:compute_per_step_median\n"
-          "  > <<straggler_min_excess_seconds>>\n"
-          ")",
+          STRAGGLER,
           "warning",
           "Straggler in run {{ $labels.run }}: rank {{ $labels.rank }} on node {{ $labels.node }}",
-          "In " + WHO + ", compute takes {{ $value | humanizeDuration }} per step, more than <<straggler_ratio>>x "
-          "the run median of "
-          "{{ with printf `run:rankscope_phase_seconds:compute_per_step_median{run=\"%s\"}` $labels.run | query }}"
-          "{{ . | first | value | humanizeDuration }}{{ end }}; its peers wait for it."),
+          "In " + WHO + ", compute takes {{ printf `%.2g` $value }}x the median of its peers per step ("
+          "{{ with printf `rank:rankscope_phase_seconds:compute_per_step{run=\"%s\",rank=\"%s\"}` $labels.run "
+          "$labels.rank | query }}{{ . | first | value | humanizeDuration }}{{ end }} against "
+          "{{ with printf `run:rankscope_phase_seconds:compute_per_step_peer_median{run=\"%s\"}` $labels.run | query }}"
+          "{{ . | first | value | humanizeDuration }}{{ end }}); its peers wait for it in every collective."),
     Alert("RankscopeInputBound",
-          "rank_phase:rankscope_phase_seconds:fraction{phase=\"data\"} > <<input_bound_ratio>>",
+          INPUT_BOUND,
           "warning",
           "Run {{ $labels.run }} is input-bound on rank {{ $labels.rank }}",
           "In " + WHO + ", {{ $value | humanizePercentage }} of step time is spent waiting for data."),
+    # Exposed communication wait is what every victim shows: a straggler's or a
+    # starved rank's peers wait for it, a hung or dead rank's peers wait forever.
     Alert("RankscopeCommunicationBound",
-          "rank_phase:rankscope_phase_seconds:fraction{phase=\"comm_wait\"} > <<comm_bound_ratio>>",
+          "(\n  " + _indent(COMM_BOUND) + "\n)\n"
+          "unless on (run) run:rankscope_cause:present",
           "warning",
           "Run {{ $labels.run }} is communication-bound on rank {{ $labels.rank }}",
           "In " + WHO + ", {{ $value | humanizePercentage }} of step time is exposed communication wait."),
     Alert("RankscopeThroughputDrop",
-          "run:rankscope_steps:rate\n"
-          "< <<throughput_drop_ratio>> * avg_over_time(run:rankscope_steps:rate[<<throughput_baseline_window>>]"
-          " offset <<throughput_baseline_offset>>)\n"
-          "unless on (run) (max by (run) (rankscope_rank_state{SEL,state=\"finished\"}) == 1)",
+          "(\n  " + _indent(THROUGHPUT_DROP) + "\n)\n"
+          "unless on (run) (max by (run) (rankscope_rank_state{SEL,state=\"finished\"}) == 1)\n"
+          "unless on (run) run:rankscope_cause:present",
           "warning",
           "Throughput of run {{ $labels.run }} dropped",
           "Run {{ $labels.run }} makes {{ printf `%.3g` $value }} steps/s, below <<throughput_drop_ratio>>x its level "
@@ -263,9 +457,11 @@ ALERTS: tuple[Alert, ...] = (
           "{{ end }}{{ else }}unknown{{ end }}."),
     # ---- GPUs ---------------------------------------------------------------
     Alert("RankscopeGPUUnderutilized",
-          with_rank_of_gpu("avg_over_time(rankscope_gpu_utilization_ratio{SEL}[<<gpu_util_window>>])"
-                           " < <<gpu_util_min_ratio>>",
-                           required=True, rank_filter="rankscope_rank_state{SEL,state=\"progressing\"} == 1"),
+          hysteresis("RankscopeGPUUnderutilized",
+                     lambda bar: with_rank_of_gpu(
+                         f"avg_over_time(rankscope_gpu_utilization_ratio{{SEL}}[<<gpu_util_window>>]) < {bar}",
+                         required=True, rank_filter="rankscope_rank_state{SEL,state=\"progressing\"} == 1"),
+                     "<<gpu_util_min_ratio>>", "<<gpu_util_hold_ratio>>", on="uuid"),
           "warning",
           "GPU under-utilised in run {{ $labels.run }} (rank {{ $labels.rank }})",
           GPU_WHO + " was busy only {{ $value | humanizePercentage }} of the last <<gpu_util_window>> "

@@ -56,6 +56,44 @@ def test_fast_variant_is_valid(tmp_path):
     run("promtool", "check", "rules", *map(str, sorted(tmp_path.glob("*.yml"))))
 
 
+def test_keep_firing_for_is_rendered_and_valid(tmp_path):
+    """keep_firing_for (Prometheus >= 2.42) reaches the rule files, production and fast."""
+    config = generate.load_thresholds()
+    rules = {r["alert"]: r for r in rendered_alerts()}
+    assert config["keep_firing_for"] and set(config["keep_firing_for"]) <= set(rules)
+    for name, value in config["keep_firing_for"].items():
+        assert rules[name]["keep_firing_for"] == value, name
+    generate.main(["--override", str(PROM / "fast.yaml"), "--out", str(tmp_path)])
+    fast = {r["alert"]: r for r in yaml.safe_load((tmp_path / generate.ALERTS_FILE).read_text())["groups"][0]["rules"]}
+    assert all("keep_firing_for" in fast[name] for name in config["keep_firing_for"])
+
+
+@pytest.mark.parametrize("fire,hold,direction", [
+    ("straggler_ratio", "straggler_hold_ratio", "above"),
+    ("input_bound_ratio", "input_bound_hold_ratio", "above"),
+    ("comm_bound_ratio", "comm_bound_hold_ratio", "above"),
+    ("throughput_drop_ratio", "throughput_drop_hold_ratio", "below"),
+    ("memory_headroom_min_ratio", "memory_headroom_hold_ratio", "below"),
+    ("gpu_util_min_ratio", "gpu_util_hold_ratio", "below"),
+])
+def test_hysteresis_hold_bars_lie_on_the_safe_side(fire, hold, direction):
+    """An alert that fires above (below) a bar holds while above (below) a LOWER (HIGHER) one."""
+    for path in (None, PROM / "fast.yaml"):
+        params = (generate.load_thresholds(path) if path else generate.load_thresholds())["params"]
+        if direction == "above":
+            assert params[hold] < params[fire], (path, fire, hold)
+        else:
+            assert params[hold] > params[fire], (path, fire, hold)
+
+
+def test_straggler_threshold_separates_a_1_5x_rank_from_20_percent_jitter():
+    """The documented reasoning of thresholds.yaml: 1.5x fires; a persistent 1.2x rank and the
+    0.8/1.0/1.2 spread (1.2 / median(0.8, 1.0) = 1.33) stay quiet (promtool: straggler_test.yml)."""
+    params = generate.load_thresholds()["params"]
+    assert 1.2 / 0.9 < params["straggler_ratio"] < 1.5
+    assert params["straggler_min_excess_seconds"] <= 0.001
+
+
 def test_amtool_check_config():
     run("amtool", "check-config", str(PROM / "alertmanager.yml"))
 
@@ -64,6 +102,16 @@ def test_amtool_check_config():
 def test_each_severity_reaches_its_receiver(severity, receiver):
     run("amtool", "config", "routes", "test", f"--config.file={PROM / 'alertmanager.yml'}",
         f"--verify.receivers={receiver}", f"severity={severity}", "alertname=RankscopeTest", "run=r1")
+
+
+def test_every_route_groups_by_run_and_alert_name():
+    """A new cause in a run starts its own group (delivered after group_wait), instead of joining
+    the run's group and waiting for its group_interval (docs/alerting.md, "Delivery")."""
+    route = yaml.safe_load((PROM / "alertmanager.yml").read_text())["route"]
+    assert set(route["group_by"]) == {"run", "alertname"}
+    for sub in route["routes"]:
+        assert set(sub.get("group_by", route["group_by"])) == {"run", "alertname"}
+        assert "group_interval" not in sub   # the drills shorten the root's only
 
 
 def test_every_alert_has_severity_annotations_and_runbook_link():
@@ -100,6 +148,31 @@ def test_every_alert_has_a_runbook_section():
     assert {a.alert.lower() for a in ALERTS} - headings == set()
 
 
+def promtool_test_names() -> set[str]:
+    return {case["name"] for path in (PROM / "tests").glob("*.yml")
+            for case in yaml.safe_load(path.read_text())["tests"] if case.get("name")}
+
+
+def test_time_to_page_table_names_promtool_tests_and_every_alert():
+    """docs/alerting.md's production time-to-page table: each row is checked by the promtool
+    test it names, and every alert has a row."""
+    text = (ROOT / "docs" / "alerting.md").read_text()
+    table = text.split("<!-- time-to-page:start -->", 1)[1].split("<!-- time-to-page:end -->", 1)[0]
+    rows = [line for line in table.splitlines()
+            if line.startswith("| ") and not line.startswith("| fault") and not set(line) <= set("|- ")]
+    assert rows
+    names = promtool_test_names()
+    alerts_in_table = set()
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        quoted = re.findall(r"“([^”]+)”", cells[-1])
+        assert quoted, f"no promtool test named in {row!r}"
+        for name in quoted:
+            assert name in names, f"{name!r} is not a promtool test"
+        alerts_in_table |= set(re.findall(r"Rankscope[A-Za-z]+", cells[1]))
+    assert {a.alert for a in ALERTS} - alerts_in_table == set()
+
+
 # Metric names in PromQL: identifiers left after removing matchers, ranges,
 # strings and modifiers, that are not function calls or keywords.
 _NOT_METRICS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless",
@@ -122,7 +195,8 @@ def metric_names(expr: str) -> set[str]:
 
 
 def test_rules_use_only_catalog_metrics():
-    allowed = {"up"} | {r.record for r in RECORDING_RULES}
+    # ALERTS: Prometheus's own series of pending/firing alerts (hysteresis, causes present).
+    allowed = {"up", "ALERTS"} | {r.record for r in RECORDING_RULES}
     for spec in RANK_METRICS + EXPORTER_METRICS:
         allowed.add(spec.name)
         if spec.kind == "histogram":
@@ -140,30 +214,41 @@ def test_rules_use_only_catalog_metrics():
     assert "rankscope_hang_suspect" in used and "rankscope_step_duration_seconds_sum" in used
 
 
-@pytest.mark.integration  # starts Alertmanager
-def test_inhibitions_in_a_real_alertmanager():
-    """The shipped alertmanager.yml, run by Alertmanager 0.25: a dead rank silences its run's
-    hang/stall/straggler alerts (not another run's), a critical silences its warning twin,
-    and critical/warning reach the pager/chat webhooks."""
+def _post_alerts(am, alerts: list[dict]) -> None:
     import json
     import urllib.request
 
+    req = urllib.request.Request(am.url + "/api/v2/alerts", data=json.dumps(alerts).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    urllib.request.urlopen(req, timeout=5).close()
+
+
+def _webhooks_to(hook, config: dict) -> dict:
+    for receiver in config["receivers"]:
+        for webhook in receiver.get("webhook_configs", []):
+            webhook["url"] = hook.url("/" + webhook["url"].rsplit("/", 1)[1])
+    return config
+
+
+@pytest.mark.integration  # starts Alertmanager
+def test_inhibitions_in_a_real_alertmanager():
+    """The shipped alertmanager.yml, run by Alertmanager 0.25: a dead rank silences its run's
+    hang/stall/straggler alerts (not another run's), a lost node silences its run's torn-down
+    ranks and its exporter's TargetDown, an OOM its run's RankDown, a critical silences its
+    warning twin, and critical/warning reach the pager/chat webhooks."""
     from tests.helpers.promstack import AlertmanagerServer, WebhookReceiver, poll
 
-    def alert(name: str, severity: str, run: str, rank: str) -> dict:
-        return {"labels": {"alertname": name, "severity": severity, "run": run, "rank": rank, "node": "n0"},
-                "annotations": {"summary": name}}
+    def alert(name: str, severity: str, run: str, rank: str, **extra: str) -> dict:
+        labels = {"alertname": name, "severity": severity, "run": run, "rank": rank, "node": "n0", **extra}
+        return {"labels": {k: v for k, v in labels.items() if v}, "annotations": {"summary": name}}
 
     with WebhookReceiver() as hook:
-        config = yaml.safe_load((PROM / "alertmanager.yml").read_text())
+        config = _webhooks_to(hook, yaml.safe_load((PROM / "alertmanager.yml").read_text()))
         # group_wait 1s, not 0s: Alertmanager's inhibitor learns of new alerts
         # asynchronously, so a 0s flush can race it (seen here once in ~10 runs).
         config["route"].update(group_wait="1s", group_interval="1s")
         for route in config["route"]["routes"]:
             route["group_wait"] = "1s"
-        for receiver in config["receivers"]:
-            for webhook in receiver.get("webhook_configs", []):
-                webhook["url"] = hook.url("/" + webhook["url"].rsplit("/", 1)[1])
         with AlertmanagerServer(config_text=yaml.safe_dump(config)) as am:
             posted = [
                 alert("RankscopeRankDown", "critical", "r1", "1"),
@@ -172,24 +257,88 @@ def test_inhibitions_in_a_real_alertmanager():
                 alert("RankscopeStraggler", "warning", "r1", "0"),
                 alert("RankscopeHangSuspect", "critical", "r2", "3"),       # another run: not inhibited
                 alert("RankscopeInputBound", "warning", "r2", "3"),         # a warning that reaches chat
+                # r3 lost node n1 (ranks 2, 3); its rank 0 on n0 was torn down
+                alert("RankscopeNodeLost", "critical", "r3", "2", node="n1", instance="n1:9400"),
+                alert("RankscopeRankDown", "critical", "r3", "0", instance="n0:9400"),
+                alert("RankscopeTargetDown", "warning", "r3", "", node="n1", instance="n1:9400"),
+                alert("RankscopeTargetDown", "warning", "", "", node="n9", instance="n9:9400"),   # another exporter
+                # r4: rank 1 ran out of memory and died; the launcher tore rank 0 down
+                alert("RankscopeOutOfMemory", "critical", "r4", "1"),
+                alert("RankscopeRankDown", "critical", "r4", "1"),
+                alert("RankscopeRankDown", "critical", "r4", "0"),
             ]
-            req = urllib.request.Request(am.url + "/api/v2/alerts", data=json.dumps(posted).encode(),
-                                         headers={"Content-Type": "application/json"}, method="POST")
-            urllib.request.urlopen(req, timeout=5).close()
+            _post_alerts(am, posted)
+
+            def key(labels: dict) -> tuple:
+                return labels["alertname"], labels.get("run", ""), labels.get("rank", ""), labels.get("instance", "")
 
             def states() -> dict:
-                got = {(a["labels"]["alertname"], a["labels"]["run"]): a["status"]["state"] for a in am.alerts()}
+                got = {key(a["labels"]): a["status"]["state"] for a in am.alerts()}
                 return got if len(got) == len(posted) else {}
 
+            suppressed = {("RankscopeHangSuspect", "r1", "0", ""), ("RankscopeRunStalled", "r1", "0", ""),
+                          ("RankscopeStraggler", "r1", "0", ""), ("RankscopeRankDown", "r3", "0", "n0:9400"),
+                          ("RankscopeTargetDown", "r3", "", "n1:9400"), ("RankscopeRankDown", "r4", "1", ""),
+                          ("RankscopeRankDown", "r4", "0", "")}
+            expected = {key(a["labels"]): "suppressed" if key(a["labels"]) in suppressed else "active"
+                        for a in posted}
             # Inhibition is evaluated lazily; poll until every alert has its final state.
-            expected = {("RankscopeRankDown", "r1"): "active", ("RankscopeHangSuspect", "r1"): "suppressed",
-                        ("RankscopeRunStalled", "r1"): "suppressed", ("RankscopeStraggler", "r1"): "suppressed",
-                        ("RankscopeHangSuspect", "r2"): "active", ("RankscopeInputBound", "r2"): "active"}
             poll(lambda: states() == expected, timeout=15, what=f"alert states {expected}")
             page = hook.wait_for(lambda d: d.path == "/page" and any(
                 a["labels"]["alertname"] == "RankscopeRankDown" for a in d.alerts), timeout=15)
             assert {a["labels"]["alertname"] for a in page.alerts} == {"RankscopeRankDown"}
-            hook.wait_for(lambda d: d.path == "/chat" and any(
-                a["labels"]["alertname"] == "RankscopeInputBound" for a in d.alerts), timeout=15)
-            delivered = {(a["labels"]["alertname"], a["labels"]["run"]) for d in hook.snapshot() for a in d.alerts}
-            assert ("RankscopeStraggler", "r1") not in delivered and ("RankscopeRunStalled", "r1") not in delivered
+            for name, path in (("RankscopeInputBound", "/chat"), ("RankscopeNodeLost", "/page"),
+                               ("RankscopeOutOfMemory", "/page"), ("RankscopeTargetDown", "/chat")):
+                hook.wait_for(lambda d: d.path == path and any(
+                    a["labels"]["alertname"] == name for a in d.alerts), timeout=15)
+            delivered = {key(a["labels"]) for d in hook.snapshot() for a in d.alerts}
+            assert delivered & suppressed == set(), delivered & suppressed
+
+
+# The alert that opens each run's groups before the cause fires (same route, no inhibition).
+_EARLIER = "RankscopeEarlierAlert"
+
+
+@pytest.mark.integration  # starts Alertmanager
+def test_every_alert_is_delivered_firing_within_group_wait_with_the_shipped_timing():
+    """With the shipped group_wait/group_interval (not the drills' 1 s), each alert that fires in a
+    run that has already been notified is delivered firing within group_wait of reaching
+    Alertmanager: it starts its own group (grouped by run and alert name) instead of waiting
+    for the run group's next group_interval, and nothing arrives only as "resolved"."""
+    import time
+
+    from tests.helpers.promstack import AlertmanagerServer, WebhookReceiver
+
+    config_text = (PROM / "alertmanager.yml").read_text()
+    route = yaml.safe_load(config_text)["route"]
+    wait = {sub["matchers"][0].split("=")[1].strip('"'): generate.duration_seconds(sub.get("group_wait", route["group_wait"]))
+            for sub in route["routes"]}
+    path = {"critical": "/page", "warning": "/chat"}
+
+    def alert(name: str, severity: str, run: str) -> dict:
+        return {"labels": {"alertname": name, "severity": severity, "run": run, "rank": "1", "node": "n0",
+                           "instance": f"{run}:9400"}, "annotations": {"summary": name}}
+
+    with WebhookReceiver() as hook:
+        config = _webhooks_to(hook, yaml.safe_load(config_text))
+        with AlertmanagerServer(config_text=yaml.safe_dump(config)) as am:
+            runs = {a.alert: f"d-{i}" for i, a in enumerate(ALERTS)}
+            _post_alerts(am, [alert(_EARLIER, a.severity, runs[a.alert]) for a in ALERTS])
+            for a in ALERTS:   # every run's group has been notified once
+                hook.wait_for(lambda d, a=a: any(x["labels"]["run"] == runs[a.alert] for x in d.alerts),
+                              timeout=wait[a.severity] + 15)
+            posted_at = time.monotonic()
+            _post_alerts(am, [alert(a.alert, a.severity, runs[a.alert]) for a in ALERTS])
+            late = {}
+            for a in ALERTS:
+                deadline = wait[a.severity] + 4 - (time.monotonic() - posted_at)
+                try:
+                    hook.wait_for(lambda d, a=a: d.path == path[a.severity] and any(
+                        x["labels"]["alertname"] == a.alert and x["status"] == "firing" for x in d.alerts),
+                        timeout=max(deadline, 0.1))
+                except TimeoutError:
+                    late[a.alert] = f"not delivered firing within group_wait {wait[a.severity]:g} s + 4 s"
+            assert late == {}, late
+            resolved_only = [x["labels"]["alertname"] for d in hook.snapshot() for x in d.alerts
+                             if x["status"] == "resolved"]
+            assert resolved_only == []
