@@ -358,14 +358,15 @@ def ranks_and_stragglers() -> dash.Dashboard:
         "s", [query(f"max by (rank) ({mean_step_seconds()})", "{{rank}}")], y_unit="none"))
     # Synchronous training evens out step time across ranks; compute time per
     # step (forward + backward + optimizer) is what tells the straggler apart,
-    # and is what the RankscopeStraggler alert compares with the run median.
+    # and the RankscopeStraggler alert compares it with the median of the rank's
+    # peers (the run without its slowest rank): the same recording rule here.
     d = d.with_panel(ts(
-        "Slowest ranks against the run median",
+        "Slowest ranks against their peers",
         "Compute time per step (forward + backward + optimizer) of the 5 slowest selected ranks, divided by "
-        "the median rank of the whole run (100% = median; the straggler alert fires above 130%). 2m window.",
+        "the median of their peers (100% = the peers' median; the straggler alert fires above 135%). "
+        "2m window.",
         "percentunit",
-        [query(f"topk(5, rank:rankscope_phase_seconds:compute_per_step{{{SEL}}}"
-               f" / on (run) group_left () run:rankscope_phase_seconds:compute_per_step_median{{{RUN_SEL}}})",
+        [query(f"topk(5, rank:rankscope_phase_seconds:compute_per_step_peer_ratio{{{SEL}}})",
                "rank {{rank}} ({{node}})")]))
     d = d.with_panel(ts(
         "Compute time per step per rank",
