@@ -4,15 +4,19 @@
 #
 #   bash tests/run.sh [PYTEST ARGS]          # everything (what .ci/run runs)
 #   bash tests/run.sh --fast [PYTEST ARGS]   # the fast tier: unit and static tests, pytest -m "not integration"
+#   bash tests/run.sh --matrix [PYTEST ARGS] # the fault matrix only (~10 min; not part of the full run)
 #
 # Both tiers need promtool and amtool (the fast tier's static rule and routing
 # checks), so both install the Debian packages. Other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-tier=()
+tier=(-m "not matrix")
 if [ "${1:-}" = "--fast" ]; then
     shift
-    tier=(-m "not integration")
+    tier=(-m "not integration and not matrix")
+elif [ "${1:-}" = "--matrix" ]; then
+    shift
+    tier=(-m matrix)
 fi
 if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null \
         || ! command -v amtool >/dev/null; then

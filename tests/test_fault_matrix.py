@@ -46,6 +46,9 @@ from prometheus import generate
 from tests.helpers.jobs import TrainJob, free_port
 from tests.helpers.promstack import AlertmanagerServer, Delivery, PrometheusServer, WebhookReceiver, firing_alerts
 
+# Not in the full run (`bash tests/run.sh`): about 10 minutes on 2 cores.
+pytestmark = [pytest.mark.matrix, pytest.mark.timeout(1800)]
+
 ROOT = Path(__file__).resolve().parent.parent
 ALERTMANAGER_YML = ROOT / "prometheus" / "alertmanager.yml"
 FAST_OVERRIDE = ROOT / "prometheus" / "fast.yaml"
