@@ -423,7 +423,9 @@ ALERTS: tuple[Alert, ...] = (
           "<<alloc_retry_window>>: memory is fragmented or nearly full."),
     # ---- bottlenecks --------------------------------------------------------
     Alert("RankscopeStraggler",
-          STRAGGLER,
+          # A hung, frozen, dead or lost rank stops its peers too: their compute
+          # per step is then meaningless, and the cause already pages.
+          STRAGGLER + f"\nunless on (run) run:rankscope_cause:present{{cause=~\"{STALL_CAUSES}\"}}",
           "warning",
           "Straggler in run {{ $labels.run }}: rank {{ $labels.rank }} on node {{ $labels.node }}",
           "In " + WHO + ", compute takes {{ printf `%.2g` $value }}x the median of its peers per step ("

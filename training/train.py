@@ -239,7 +239,7 @@ def train(args: argparse.Namespace, monitor: Monitor, device: torch.device) -> N
     accuracy = monitor.gauge("eval_accuracy_ratio", "Accuracy of the reference model on the held-out set.")
     eval_loss_metric = monitor.gauge("eval_loss", "Loss of the reference model on the held-out set.")
     loss_fn = nn.CrossEntropyLoss()
-    step = load_checkpoint(args.checkpoint_dir) if args.resume else 0
+    step = load_checkpoint(args.checkpoint_dir, model, opt) if args.resume else 0
     epoch, first, t_start = 0, step, time.perf_counter()
     while step < args.steps:
         sampler.set_epoch(epoch)
@@ -258,26 +258,35 @@ def train(args: argparse.Namespace, monitor: Monitor, device: torch.device) -> N
                 if rank == 0:
                     print(f"step {step}: eval loss {eval_loss:.4f} accuracy {acc:.3f}", flush=True)
             if args.checkpoint_every and step % args.checkpoint_every == 0:
-                save_checkpoint(args.checkpoint_dir, step, rank, args.checkpoint_pause)
+                save_checkpoint(args.checkpoint_dir, step, model, opt, args.checkpoint_pause)
             if rank == 0 and step % args.print_every == 0:
                 print(f"step {step}/{args.steps} loss {loss.item():.4f} lr {opt.param_groups[0]['lr']:.4g} "
                       f"{1000 * (time.perf_counter() - t_start) / (step - first):.1f} ms/step", flush=True)
         epoch += 1
 
 
-def save_checkpoint(directory: Path, step: int, rank: int, pause_s: float) -> None:
-    """Stands for a checkpoint: every rank spends ``pause_s`` on it; rank 0 writes the step."""
-    time.sleep(pause_s)
-    if rank == 0:
+def save_checkpoint(directory: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer,
+                    pause_s: float) -> None:
+    """Rank 0 saves the step, the model and the optimizer; every rank spends ``pause_s``
+    on it, as ranks wait for a real checkpoint of a large model."""
+    if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "step.tmp").write_text(str(step))
-        os.replace(directory / "step.tmp", directory / "step")
+        tmp = directory / "checkpoint.tmp"
+        torch.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict()}, tmp)
+        os.replace(tmp, directory / "checkpoint.pt")
+    time.sleep(pause_s)
     dist.barrier()
 
 
-def load_checkpoint(directory: Path) -> int:
-    path = directory / "step"
-    return int(path.read_text()) if path.exists() else 0
+def load_checkpoint(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """The step to resume from, with the model and optimizer as they were then (0: none saved)."""
+    path = directory / "checkpoint.pt"
+    if not path.exists():
+        return 0
+    state = torch.load(path, map_location=next(model.parameters()).device)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    return int(state["step"])
 
 
 def train_step(monitor: Monitor, model: nn.Module, opt: torch.optim.Optimizer, loss_fn: nn.Module,
