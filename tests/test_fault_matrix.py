@@ -170,7 +170,11 @@ class Jobs:
         else:
             rdzv = free_port()
             self.jobs = [TrainJob(nproc=1, steps=STEPS, run_id=run, extra_args=extra, metrics_dir=work / f"m{i}",
-                                  nodes=(2, i, rdzv), env={"RANKSCOPE_NODE": f"node-{'ab'[i]}"})
+                                  nodes=(2, i, rdzv),
+                                  # Two "nodes" share this machine's cores: one thread each, as
+                                  # two ranks of one node get, or the threads' spinning makes
+                                  # one rank a straggler that a real cluster would not have.
+                                  env={"RANKSCOPE_NODE": f"node-{'ab'[i]}", "OMP_NUM_THREADS": "1"})
                          for i in range(2)]
 
     def __enter__(self) -> "Jobs":

@@ -152,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     else:
         # Ranks share the cores; more threads per rank only fight each other.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        # OMP_NUM_THREADS, when set (torchrun sets 1 for several ranks per node), wins.
+        share = (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or share)))
     backend = "nccl" if cuda else "gloo"
     try:
         monitor = Monitor(device=device, backend=backend, run=args.run_id, metrics_port=args.metrics_port)
