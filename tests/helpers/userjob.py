@@ -10,7 +10,14 @@ The script runs against the installed package (no repository on PYTHONPATH,
 nothing from this shell's RANKSCOPE_* or torchrun variables), with its own
 metrics directory and a free metrics port under ``tmp_path``. It writes
 what it measured itself (wall time, the values it reported) as
-``<out>/rank<N>.json`` (``LOOP_OUT``); ``results()`` reads them.
+``<out>/rank<N>.json`` (``LOOP_OUT``), or ``<out>/<scenario>/rank<N>.json``
+for a script that runs several scenarios one after the other (each its own
+run, ``<run id>-<scenario>``); ``results()`` reads them. A job may be
+started more than once (a re-run: same run id, directory and exporter).
+
+``JobPool`` runs whole jobs (a function that starts one, waits for it and
+scrapes what it needs) on a few threads at once, so that a test module can
+share each job among the tests that read it and overlap their start-up.
 
 On exit, whatever the test's outcome: the launcher's process group (torchrun
 and its ranks, or the single python process) is killed, then any rank still
@@ -22,13 +29,18 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+import traceback
 import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 from prometheus_client.samples import Sample
 
@@ -44,13 +56,15 @@ _SCRUB = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", 
 
 
 class UserJob:
+    running: set["UserJob"] = set()   # started and not yet cleaned up (JobPool.close kills them)
+
     def __init__(self, script: str | Path, *args: str, tmp_path: Path, nproc: int | None = None,
                  env: dict[str, str] | None = None, cwd: Path | None = None, run_id: str | None = None,
                  port: int | None = None, metrics_dir: Path | None = None, name: str = "job"):
         self.script = Path(script) if Path(script).is_absolute() else LOOPS / script
         self.args = [str(a) for a in args]
         self.nproc = nproc
-        self.port = port or free_port()
+        self.port = port or listen_port()
         self.run_id = run_id or f"loop-{self.port}"
         self.metrics_dir = Path(metrics_dir or tmp_path / "metrics")
         self.out = tmp_path / f"{name}-out"
@@ -82,7 +96,10 @@ class UserJob:
 
     def start(self, command: list[str] | None = None) -> "UserJob":
         self.out.mkdir(parents=True, exist_ok=True)
+        if self._log is not None:   # started before: a re-run appends to the same log
+            self._log.close()
         self._log = open(self.log_path, "ab")
+        UserJob.running.add(self)
         self.proc = subprocess.Popen(command or self.command, cwd=self.cwd, env=self.environment(), stdout=self._log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         return self
@@ -104,11 +121,22 @@ class UserJob:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def wait_for_file(self, path: Path, timeout: float) -> bool:
+        """Whether ``path`` appeared within ``timeout`` s; False at once if the job has ended without it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists():
+                return True
+            if self.proc is not None and self.proc.poll() is not None:
+                return path.exists()
+            time.sleep(0.05)
+        return False
+
     # -- what it reported ---------------------------------------------------------
-    def results(self) -> dict[int, dict]:
-        """rank -> what the script wrote about itself."""
+    def results(self, scenario: str | None = None) -> dict[int, dict]:
+        """rank -> what the script wrote about itself (about one scenario of a script that runs several)."""
         out = {}
-        for path in sorted(self.out.glob("rank*.json")):
+        for path in sorted((self.out if scenario is None else self.out / scenario).glob("rank*.json")):
             out[int(path.stem[4:])] = json.loads(path.read_text())
         return out
 
@@ -118,12 +146,13 @@ class UserJob:
             self.exporter_pid = self._health_pid()
         return samples
 
-    def series(self, samples: Iterable[Sample], name: str, **labels: str) -> list[Sample]:
-        return select(samples, name, run=self.run_id, **labels)
+    def series(self, samples: Iterable[Sample], name: str, run: str | None = None, **labels: str) -> list[Sample]:
+        return select(samples, name, run=run or self.run_id, **labels)
 
-    def state(self, samples: Iterable[Sample], rank: int = 0) -> str | None:
-        """The exporter's rankscope_rank_state for a rank: the state whose value is 1."""
-        on = [s.labels["state"] for s in select(samples, "rankscope_rank_state", run=self.run_id, rank=str(rank))
+    def state(self, samples: Iterable[Sample], rank: int = 0, run: str | None = None) -> str | None:
+        """The exporter's rankscope_rank_state for a rank (of the job's run, or ``run``): the state whose value is 1."""
+        on = [s.labels["state"] for s in select(samples, "rankscope_rank_state", run=run or self.run_id,
+                                                rank=str(rank))
               if s.value == 1]
         return on[0] if len(on) == 1 else None
 
@@ -135,6 +164,7 @@ class UserJob:
         try:
             self.kill()
         finally:
+            UserJob.running.discard(self)
             if self._log is not None:
                 self._log.close()
             if exc_type is not None:
@@ -173,6 +203,37 @@ class UserJob:
             return None
 
 
+_handed_out: set[int] = set()
+_ports_lock = threading.Lock()
+
+
+def listen_port() -> int:
+    """A free port for a job's exporter, below the kernel's ephemeral range when there is room: the
+    exporter binds it seconds after it is picked (once the script has imported torch), and until then
+    a port from the ephemeral range may become the local end of another job's connection (gloo,
+    torchrun's store, a scrape). Never the same port twice in this process."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    rng = random.Random()
+    with _ports_lock:
+        for _ in range(200 if low > 11000 else 0):
+            port = rng.randrange(10000, low)
+            if port in _handed_out:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+        port = free_port()
+        _handed_out.add(port)
+        return port
+
+
 def _kill(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -180,10 +241,78 @@ def _kill(pid: int) -> None:
         pass
 
 
-def wait_for_file(path: Path, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            return True
-        time.sleep(0.05)
-    return False
+class JobPool:
+    """Whole jobs on at most ``parallel`` threads: ``submit(name, fn, *args)``, then ``get(name)``.
+
+    ``fn`` starts a UserJob (``with UserJob(...) as job``), waits for it and
+    returns what the tests need; the job is gone when ``fn`` returns. What
+    ``fn`` raises comes back from ``get`` as ``JobError`` naming the job,
+    with the traceback. A job submitted ``alone=True`` (one whose checks
+    time the loop against its own clock) waits until no other job of the
+    pool runs, and no other job starts until every such job has run: submit
+    them first. On ``close()`` jobs not started yet are cancelled and every
+    UserJob still running is killed."""
+
+    def __init__(self, parallel: int):
+        self._executor = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="userjob")
+        self._futures: dict[str, Future] = {}
+        self._closing = threading.Event()
+        self._turns = threading.Condition()
+        self._running = 0          # jobs running now
+        self._alone = 0            # alone jobs waiting or running: no other job starts meanwhile
+
+    def submit(self, name: str, fn: Callable[..., Any], *args: Any, alone: bool = False) -> None:
+        def run() -> Any:
+            self._begin(alone)
+            try:
+                if self._closing.is_set():
+                    raise JobError(f"job {name}: not started, the pool was closing")
+                return fn(*args)
+            except JobError:
+                raise
+            except Exception:
+                raise JobError(f"job {name} failed:\n{traceback.format_exc()[-4000:]}") from None
+            finally:
+                self._end(alone)
+        if alone:
+            with self._turns:
+                self._alone += 1
+        self._futures[name] = self._executor.submit(run)
+
+    def _begin(self, alone: bool) -> None:
+        with self._turns:
+            if alone:
+                self._turns.wait_for(lambda: self._running == 0 or self._closing.is_set())
+            else:
+                self._turns.wait_for(lambda: self._alone == 0 or self._closing.is_set())
+            self._running += 1
+
+    def _end(self, alone: bool) -> None:
+        with self._turns:
+            self._running -= 1
+            if alone:
+                self._alone -= 1
+            self._turns.notify_all()
+
+    def get(self, name: str, timeout: float | None = None) -> Any:
+        return self._futures[name].result(timeout)
+
+    def close(self) -> None:
+        self._closing.set()
+        with self._turns:
+            self._turns.notify_all()
+        for future in self._futures.values():
+            future.cancel()
+        for job in list(UserJob.running):
+            job.kill()
+        self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> "JobPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class JobError(AssertionError):
+    pass

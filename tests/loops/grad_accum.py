@@ -1,6 +1,6 @@
 """Gradient accumulation: one optimizer step, and one monitored step, per MICRO micro-batches.
 
-    python grad_accum.py SHAPE [STEPS] [MICRO] [SLEEP_MS]
+    python grad_accum.py SHAPE[,SHAPE...] [STEPS] [MICRO] [SLEEP_MS]
     torchrun --standalone --nproc-per-node 2 grad_accum.py no_sync [STEPS] [MICRO] [SLEEP_MS]
 
 SHAPE
@@ -8,9 +8,12 @@ SHAPE
   before   the step's micro-batches are fetched first, then one step runs over them
   no_sync  as inside, under DDP (torchrun), with model.no_sync() for all but the last micro-batch
 
+Each SHAPE is its own training run, one after the other, with its own
+Monitor (run "<RANKSCOPE_RUN>-<SHAPE>"), closed before the next one opens.
 The loader takes SLEEP_MS per batch (a slow collate). The script measures,
 with its own clock, the loop's wall time and the time it spent waiting for
-batches, and writes them to $LOOP_OUT/rank<N>.json.
+batches, and once the run's monitor is closed writes them to
+$LOOP_OUT/<SHAPE>/rank<N>.json.
 """
 
 import contextlib
@@ -33,15 +36,7 @@ from rankscope import Monitor
 BATCH = 8
 
 
-def main() -> int:
-    shape = sys.argv[1]
-    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 20
-    micro = int(sys.argv[3]) if len(sys.argv) > 3 else 4
-    sleep_s = (float(sys.argv[4]) if len(sys.argv) > 4 else 5.0) / 1000
-    assert shape in ("inside", "before", "no_sync"), shape
-    distributed = "WORLD_SIZE" in os.environ
-    if distributed:
-        dist.init_process_group("gloo")
+def train(shape: str, steps: int, micro: int, sleep_s: float, distributed: bool) -> None:
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
 
@@ -55,7 +50,7 @@ def main() -> int:
     sampler = DistributedSampler(data, shuffle=False) if distributed else None
     loader = DataLoader(data, batch_size=BATCH, sampler=sampler, collate_fn=slow_collate, drop_last=True)
 
-    monitor = Monitor(device=torch.device("cpu"))
+    monitor = Monitor(device=torch.device("cpu"), run=f"{os.environ.get('RANKSCOPE_RUN', 'accum')}-{shape}")
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     if distributed:
         model = monitor.watch(DDP(model))
@@ -103,14 +98,28 @@ def main() -> int:
                 step.observe(loss=total)
     wall = time.perf_counter() - start
 
-    out = Path(os.environ.get("LOOP_OUT", "."))
+    monitor.close()
+
+    out = Path(os.environ.get("LOOP_OUT", ".")) / shape
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({
         "shape": shape, "steps": per_rank_steps, "micro": micro, "batches": per_rank_steps * micro,
         "sleep_s": sleep_s, "wall_s": wall, "data_wait_s": waited}))
-    print(f"rank {rank}: {per_rank_steps} steps of {micro} micro-batches in {wall:.3f} s, "
+    print(f"rank {rank}: {shape}: {per_rank_steps} steps of {micro} micro-batches in {wall:.3f} s, "
           f"{waited:.3f} s waiting for data", flush=True)
-    monitor.close()
+
+
+def main() -> int:
+    shapes = sys.argv[1].split(",")
+    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 20
+    micro = int(sys.argv[3]) if len(sys.argv) > 3 else 4
+    sleep_s = (float(sys.argv[4]) if len(sys.argv) > 4 else 5.0) / 1000
+    assert all(shape in ("inside", "before", "no_sync") for shape in shapes), shapes
+    distributed = "WORLD_SIZE" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+    for shape in shapes:
+        train(shape, steps, micro, sleep_s, distributed)
     if distributed:
         dist.destroy_process_group()
     return 0

@@ -1,12 +1,19 @@
 """Mistakes a user makes with the Monitor, each in an otherwise ordinary loop.
 
-    python misuse.py nested   # a step opened inside another step
-    python misuse.py second   # a second Monitor while the first is open
-    python misuse.py reopen   # a new Monitor (run "<RANKSCOPE_RUN>-2") after monitor.close()
-    python misuse.py late     # step.observe() on a step that has ended
+    python misuse.py CHECK [CHECK ...]
 
+CHECK
+  nested  a step opened inside another step
+  second  a second Monitor while the first is open (both on the run of $RANKSCOPE_RUN)
+  reopen  a new Monitor (run "<run>-2") after monitor.close()
+  late    step.observe() on a step that has ended
+
+Each CHECK is its own training run, one after the other, with its own
+Monitor (run "<RANKSCOPE_RUN>-<CHECK>", but "second": "<RANKSCOPE_RUN>"),
+closed before the next check.
 Never fails itself: it records what happened (the exception raised, if any,
-and the values it reported) in $LOOP_OUT/rank0.json for the test to judge.
+and the values it reported) in $LOOP_OUT/<CHECK>/rank0.json for the test
+to judge.
 """
 
 import json
@@ -65,76 +72,93 @@ def describe(e):
             "traceback": traceback.format_exc()[-2000:]}
 
 
-def nested(result):
-    monitor = Monitor(device=torch.device("cpu"))
-    train(monitor, 5)
-    result["inner_body_ran"] = False
-    result["error"] = None
+def nested(result, run):
+    monitor = Monitor(device=torch.device("cpu"), run=run)
     try:
-        with monitor.step(samples=16) as outer:
-            x, y = next(batches(1))
-            train_step(outer, x, y)
-            with monitor.step(samples=16) as inner:   # the mistake
-                result["inner_body_ran"] = True
-                train_step(inner, x, y)
-    except Exception as e:
-        result["error"] = describe(e)
-    train(monitor, 5)
-    result["good_steps"] = 10
-    monitor.close()
+        train(monitor, 5)
+        result["inner_body_ran"] = False
+        result["error"] = None
+        try:
+            with monitor.step(samples=16) as outer:
+                x, y = next(batches(1))
+                train_step(outer, x, y)
+                with monitor.step(samples=16) as inner:   # the mistake
+                    result["inner_body_ran"] = True
+                    train_step(inner, x, y)
+        except Exception as e:
+            result["error"] = describe(e)
+        train(monitor, 5)
+        result["good_steps"] = 10
+    finally:
+        monitor.close()
 
 
-def second(result):
-    first = Monitor(device=torch.device("cpu"))
-    train(first, 5)
-    result["error"] = None
+def second(result, run):
+    first = Monitor(device=torch.device("cpu"), run=run)
     try:
-        other = Monitor(device=torch.device("cpu"))   # the mistake: e.g. a helper module made its own
-        other.close()
-    except Exception as e:
-        result["error"] = describe(e)
-    train(first, 5)
-    result["good_steps"] = 10
-    first.close()
+        train(first, 5)
+        result["error"] = None
+        try:
+            other = Monitor(device=torch.device("cpu"))   # the mistake: e.g. a helper module made its own
+            other.close()
+        except Exception as e:
+            result["error"] = describe(e)
+        train(first, 5)
+        result["good_steps"] = 10
+    finally:
+        first.close()
 
 
-def reopen(result):
-    first = Monitor(device=torch.device("cpu"))
-    train(first, 5)
-    first.close()
+def reopen(result, run):
+    first = Monitor(device=torch.device("cpu"), run=run)
+    try:
+        train(first, 5)
+    finally:
+        first.close()
     result["first_steps"] = 5
     result["error"] = None
     try:
-        again = Monitor(device=torch.device("cpu"), run=os.environ["RANKSCOPE_RUN"] + "-2")   # fine-tuning phase
-        train(again, 7)
-        again.close()
+        again = Monitor(device=torch.device("cpu"), run=run + "-2")   # fine-tuning phase
+        try:
+            train(again, 7)
+        finally:
+            again.close()
         result["second_steps"] = 7
     except Exception as e:
         result["error"] = describe(e)
 
 
-def late(result):
-    monitor = Monitor(device=torch.device("cpu"))
-    step, last = train(monitor, 10)
-    result["last"] = last
-    result["error"] = None
+def late(result, run):
+    monitor = Monitor(device=torch.device("cpu"), run=run)
     try:
-        step.observe(loss=123.0, grad_norm=456.0, lr=7.0)   # the mistake: after its step ended
-    except Exception as e:
-        result["error"] = describe(e)
-    monitor.close()
+        step, last = train(monitor, 10)
+        result["last"] = last
+        result["error"] = None
+        try:
+            step.observe(loss=123.0, grad_norm=456.0, lr=7.0)   # the mistake: after its step ended
+        except Exception as e:
+            result["error"] = describe(e)
+    finally:
+        monitor.close()
+
+
+CHECKS = {"nested": nested, "second": second, "reopen": reopen, "late": late}
 
 
 def main() -> int:
-    check = sys.argv[1]
-    result = {"check": check}
-    out = Path(os.environ.get("LOOP_OUT", "."))
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        {"nested": nested, "second": second, "reopen": reopen, "late": late}[check](result)
-    except Exception as e:
-        result["unexpected"] = describe(e)
-    (out / "rank0.json").write_text(json.dumps(result))
+    checks = sys.argv[1:]
+    assert checks and all(check in CHECKS for check in checks), checks
+    for check in checks:
+        result = {"check": check}
+        # "second" keeps the run of the environment: the helper's Monitor would get that one too
+        base = os.environ.get("RANKSCOPE_RUN", "misuse")
+        try:
+            CHECKS[check](result, base if check == "second" else f"{base}-{check}")
+        except Exception as e:
+            result["unexpected"] = describe(e)
+        out = Path(os.environ.get("LOOP_OUT", ".")) / check
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "rank0.json").write_text(json.dumps(result))
     return 0
 
 

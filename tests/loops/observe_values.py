@@ -1,7 +1,7 @@
 """A small classifier that reports loss, gradient norm and learning rate in
 the shapes a real loop has at hand, not only as Python floats.
 
-    python observe_values.py KIND [STEPS]
+    python observe_values.py KIND [KIND ...] [--steps STEPS]
 
 KIND
   loss_per_sample  the loss with reduction="none": one value per sample (16)
@@ -10,11 +10,16 @@ KIND
   loss_text        a formatted log string instead of the loss (a mistake)
   grad_dict        a dict of named gradient norms instead of one number (a mistake)
 
-Writes what it reported at its last step to $LOOP_OUT/rank<N>.json. With
-$LOOP_HOLD set it waits, after its last step and before closing the monitor,
-until that file exists (so a test can look at the exporter mid-run).
+Each KIND is its own training run, one after the other, with its own Monitor
+(run "<RANKSCOPE_RUN>-<KIND>"), closed before the next one opens. Once it
+is closed, writes what it reported at the run's last step to
+$LOOP_OUT/<KIND>/rank<N>.json.
+With $LOOP_HOLD set (a directory) it waits, after a run's last step and
+before closing its monitor, until $LOOP_HOLD/<KIND> exists (so a test can
+look at the exporter mid-run); it says so with $LOOP_OUT/<KIND>/holding<N>.
 """
 
+import argparse
 import json
 import math
 import os
@@ -32,10 +37,7 @@ from rankscope import Monitor
 KINDS = ("loss_per_sample", "grad_per_group", "lr_list", "loss_text", "grad_dict")
 
 
-def main() -> int:
-    kind = sys.argv[1]
-    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 30
-    assert kind in KINDS, kind
+def train(kind: str, steps: int, rank: int) -> None:
     torch.manual_seed(0)
     encoder = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
     head = nn.Linear(32, 4)
@@ -45,7 +47,7 @@ def main() -> int:
     data = TensorDataset(torch.randn(steps * 16, 16), torch.randint(0, 4, (steps * 16,)))
     loader = DataLoader(data, batch_size=16, shuffle=True)
 
-    monitor = Monitor(device=torch.device("cpu"))
+    monitor = Monitor(device=torch.device("cpu"), run=f"{os.environ.get('RANKSCOPE_RUN', 'values')}-{kind}")
     reported: dict = {}
     for x, y in monitor.data(loader):
         with monitor.step(samples=len(x)) as step:
@@ -79,17 +81,26 @@ def main() -> int:
                 reported = {"loss": loss.item(), "lr": lrs[0], "unreadable_per_step": 1}
         sched.step()
 
-    rank = int(os.environ.get("RANK", "0"))
-    out = Path(os.environ.get("LOOP_OUT", "."))
+    out = Path(os.environ.get("LOOP_OUT", ".")) / kind
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps({"kind": kind, "steps": steps, "last": reported}))
     hold = os.environ.get("LOOP_HOLD")
     if hold:
         (out / f"holding{rank}").touch()
         deadline = time.monotonic() + 60
-        while not Path(hold).exists() and time.monotonic() < deadline:
+        while not (Path(hold) / kind).exists() and time.monotonic() < deadline:
             time.sleep(0.05)
     monitor.close()
+    (out / f"rank{rank}.json").write_text(json.dumps({"kind": kind, "steps": steps, "last": reported}))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("kinds", nargs="+", choices=KINDS, metavar="KIND")
+    p.add_argument("--steps", type=int, default=30)
+    args = p.parse_args()
+    rank = int(os.environ.get("RANK", "0"))
+    for kind in args.kinds:
+        train(kind, args.steps, rank)
     return 0
 
 
