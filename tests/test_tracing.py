@@ -200,7 +200,11 @@ def test_dead_collectors_neither_slow_nor_delay_the_job():
         # Not the property under test, but if the job without tracing cannot end
         # within 5 s (torch's own teardown on an overloaded machine), say so.
         assert baseline.exited_at - baseline.last_step_ts < 5.0, f"even with tracing off the job exited late: {report}"
-        assert m.exited_at - m.last_step_ts < 5.0, f"{traced_name}: exited too late after its last step: {report}"
+        # The SDK's own exit handler would add 30 s; rankscope's bounded shutdown at
+        # most ~2 s. Against the untraced job beside it (torch's own teardown takes
+        # 2.5-4.5 s on this loaded machine), the dead collector may cost 3 s at most.
+        delay, baseline_delay = m.exited_at - m.last_step_ts, baseline.exited_at - baseline.last_step_ts
+        assert delay < max(5.0, baseline_delay + 3.0), f"{traced_name}: exited too late after its last step: {report}"
         assert m.dropped > 0, f"{traced_name}: spans sent to a dead collector must be counted as dropped: {report}"
         assert m.median_step < 1.05 * baseline.median_step, \
             f"{traced_name}: median step time >5% above the job with tracing off: {report}"

@@ -333,14 +333,20 @@ def test_slow_steps_are_traced_above_a_floor(tmp_path, monkeypatch):
         monitor = Monitor(exporter="off", metrics_dir=tmp_path, run="slow-steps", publish_interval_s=60)
         # a 0.8 ms step 40x a 20 µs median is under the floor; a 1.5 ms one is not
         durations = [0.00002] * 30 + [0.0008] + [0.00002] * 5 + [0.0015]
+        took = []
         for seconds in durations:
+            t0 = time.perf_counter()
             with monitor.step():
                 end = time.perf_counter() + seconds
                 while time.perf_counter() < end:
                     pass
+            took.append(time.perf_counter() - t0)
         monitor.close()
         receiver.wait_for_spans(lambda s: sum(x.name == ROOT_SPAN for x in s) >= 2, timeout=10)
         time.sleep(0.3)  # anything else would have come in the same export
         roots = {s.attributes[ATTR_STEP]: s.attributes.get(ATTR_ANOMALY, "")
                  for s in receiver.spans() if s.name == ROOT_SPAN}
-    assert roots == {0: "", durations.index(0.0015): "slow_step"}, roots
+    under_floor = durations.index(0.0008)
+    if took[under_floor] >= 0.00095:   # preempted on a loaded machine: it really took 1 ms, so it may be traced
+        roots.pop(under_floor, None)
+    assert roots == {0: "", durations.index(0.0015): "slow_step"}, (roots, took[under_floor])
