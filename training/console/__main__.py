@@ -1,0 +1,3 @@
+from rankscope.console.cli import main
+
+raise SystemExit(main())
