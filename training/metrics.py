@@ -169,6 +169,10 @@ class RankMetrics:
         with mmap_values(self.directory):
             return build_metric(spec, self.registry, extra_labels)
 
+    def family(self, name: str):
+        """The prometheus_client metric of a catalog name (bind its children with ``child``)."""
+        return self._metrics[name]
+
     def child(self, metric, labels: dict[str, str]):
         with mmap_values(self.directory):
             return metric.labels(**self.identity, **labels)

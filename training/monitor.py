@@ -33,6 +33,7 @@ that would give wrong numbers (``UsageError``: a nested step).
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -110,20 +111,31 @@ class Monitor:
                                    FlightRecorder(self.run_dir, self.identity.rank, cfg.flight_recorder_after_s),
                                    rank_info, cfg.publish_interval_s, cfg.memory_every_s)
         self._rank_info = rank_info
+        self.process_groups = _process_group_reader(self, cfg.publish_interval_s)
         self.metrics.start_ts.set(self.registration.started_at)
         self.metrics.mem_total.set(memory.total)
         self.metrics.mem_limit.set(memory.host_limit)
         self._closed = False
         self.publisher.start()
+        if self.process_groups is not None:
+            self.process_groups.start()
         exit_status.install()
         atexit.register(self.close)
 
-    def watch(self, ddp_model: Any) -> Any:
-        """Time the gradient all-reduces of a DistributedDataParallel model; returns the model.
+    def watch(self, model: Any) -> Any:
+        """Returns ``model``. A DistributedDataParallel model also gets its gradient
+        all-reduces timed, as ``comm_timing`` says (``auto``: the comm hook on CUDA,
+        DDP's own timers otherwise).
 
-        How depends on ``comm_timing`` (see MonitorConfig); ``auto`` picks the
-        comm hook for a model on CUDA and DDP's own timers otherwise."""
-        self.comm = comm_timing.choose(self.config.comm_timing, ddp_model, self.tracker,
+        Any other model (FSDP2 ``fully_shard``, tensor parallel, a pipeline stage,
+        a plain module) is returned as it is: every collective of every process
+        group is already seen through torch's flight recorder
+        (``rankscope.process_groups``), with no wrapping."""
+        if not hasattr(model, "register_comm_hook"):
+            if not hasattr(model, "parameters"):
+                raise ConfigError(f"watch(): expected a torch.nn.Module, got {type(model).__name__}")
+            return model
+        self.comm = comm_timing.choose(self.config.comm_timing, model, self.tracker,
                                        lambda: self.errors.error("collectives"))
         self.steps.comm = self.comm
         return ddp_model
@@ -142,6 +154,12 @@ class Monitor:
                 return
             fetched(t0, time.perf_counter())
             yield item
+
+    def waited_for_data(self, t0: float, t1: float) -> None:
+        """A batch took from ``t0`` to ``t1`` (``time.perf_counter()``) to arrive: what ``data()``
+        records, for code that cannot wrap the loader (framework callbacks). Before a step,
+        that step then starts at ``t0``; inside one, it adds to its ``data`` phase."""
+        self.steps.data_fetched(t0, t1)
 
     def step(self, samples: int = 0, tokens: int = 0, step: int | None = None) -> Step:
         """Context manager for one training step (an optimizer step, with all its
@@ -202,7 +220,13 @@ class Monitor:
             return
         self._closed = True
         try:
+            if self.steps.step.open:
+                # A step begun by a framework callback (step.begin()) that an exception cut
+                # short: end it with that exception, so an out-of-memory error is counted.
+                self.steps.step.end(_exception_in_flight())
             self.tracing.shutdown(timeout_s=2.0)
+            if self.process_groups is not None:
+                self.process_groups.stop(timeout_s=2.0)
             self.publisher.stop(timeout_s=2.0)   # after the tracer: spans dropped at shutdown are counted too
             self._rank_info.publish_when_known(final=True)
             self.registration.end(time.time(), failure)
@@ -211,6 +235,13 @@ class Monitor:
             self.errors.error("publisher")
         finally:
             _release(self)
+
+
+def _exception_in_flight() -> BaseException:
+    """The exception being handled, or the one that ended the interpreter (set before the
+    exit hooks run); a stand-in when there is none (a step left open is not completed)."""
+    exc = sys.exc_info()[1] or getattr(sys, "last_value", None)
+    return exc if exc is not None else RuntimeError("the monitor closed while a step was open")
 
 
 def _claim(monitor: Monitor) -> None:
@@ -227,6 +258,26 @@ def _release(monitor: Monitor) -> None:
     with _active_lock:
         if _active is monitor:
             _active = None
+
+
+def _process_group_reader(monitor: Monitor, interval_s: float):
+    """Every collective of every process group (rankscope.process_groups); None when
+    RANKSCOPE_MAX_PROCESS_GROUPS=0 turns it off."""
+    import os
+
+    from rankscope.contract.catalog import MAX_PROCESS_GROUPS_DEFAULT
+    from rankscope.contract.environment import env_value
+    from rankscope.process_groups import FlightRecorderSource, ProcessGroupMetrics, ProcessGroupReader
+
+    max_groups = env_value(os.environ, "RANKSCOPE_MAX_PROCESS_GROUPS", int, MAX_PROCESS_GROUPS_DEFAULT)
+    if max_groups < 0:
+        raise ConfigError(f"RANKSCOPE_MAX_PROCESS_GROUPS={max_groups}: must be >= 0 (0 turns the reading off)")
+    if max_groups == 0:
+        return None
+    errors = monitor.errors
+    return ProcessGroupReader(ProcessGroupMetrics(monitor.metrics), errors.drop,
+                              lambda: errors.error("collectives"),
+                              FlightRecorderSource(monitor.run_dir, monitor.identity.rank), max_groups, interval_s)
 
 
 def _cuda_event_factory(device: Any):

@@ -1,6 +1,13 @@
-"""The reference job: a real DDP training run, instrumented with rankscope.
+"""The reference job: a real distributed training run, instrumented with rankscope.
 
     torchrun --standalone --nproc-per-node 2 -m rankscope.train --steps 600 --metrics-port 9400
+    torchrun --standalone --nproc-per-node 2 -m rankscope.train --parallelism fsdp2
+    torchrun --standalone --nproc-per-node 4 -m rankscope.train --parallelism 2d --tp-size 2
+
+Parallelism: ``ddp`` (DistributedDataParallel), ``fsdp2`` (``fully_shard`` on
+every linear layer and the root), ``2d`` (a data-parallel x tensor-parallel
+device mesh: the linear layers sharded over ``tp`` with DTensor, then
+``fully_shard`` over ``dp``).
 
 A student MLP learns to imitate a fixed random "teacher" network on synthetic
 data: the loss falls within a minute on two CPU cores, and a periodic
@@ -33,6 +40,7 @@ from rankscope.config import ConfigError
 from rankscope.monitor import Monitor
 
 IN_FEATURES, CLASSES = 32, 10
+PARALLELISMS = ("ddp", "fsdp2", "2d")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="data loader worker processes")
     p.add_argument("--print-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--parallelism", choices=PARALLELISMS, default="ddp",
+                   help="ddp (default), fsdp2 (fully_shard), or 2d (data parallel x tensor parallel mesh)")
+    p.add_argument("--tp-size", type=int, default=2, help="2d: ranks per tensor-parallel group (default 2)")
     p.add_argument("--bucket-cap-mb", type=float, default=0.1,
                    help="DDP gradient bucket size (small by default so the small model has several buckets)")
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step on every rank (longer runs)")
@@ -92,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--jitter and --loss-noise must be in [0, 1)")
     if (args.resume or args.checkpoint_every) and args.checkpoint_dir is None:
         p.error("--resume and --checkpoint-every need --checkpoint-dir")
+    if args.tp_size < 1:
+        p.error("--tp-size must be >= 1")
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
         p.error(f"--metrics-port {args.metrics_port} is not a TCP port (1-65535)")
     return args
@@ -127,6 +140,41 @@ class TeacherDataset(Dataset):
 def build_model(hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(IN_FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
                          nn.Linear(hidden, CLASSES))
+
+
+def parallelize(args: argparse.Namespace, monitor: Monitor, device: torch.device) -> tuple[nn.Module, int, int]:
+    """The model as ``--parallelism`` shards it, with this rank's data-parallel rank and size.
+
+    fsdp2 and 2d need nothing from rankscope beyond the Monitor: torch's flight
+    recorder shows it their collectives (rankscope.process_groups)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(args.hidden).to(device)
+    if args.parallelism == "ddp":
+        cuda = device.type == "cuda"
+        return monitor.watch(DDP(model, device_ids=[device.index] if cuda else None,
+                                 bucket_cap_mb=args.bucket_cap_mb)), rank, world
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if args.parallelism == "fsdp2":
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        return monitor.watch(fully_shard(model, mesh=mesh)), rank, world
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if world % args.tp_size:
+        raise SystemExit(f"rankscope-train: --tp-size {args.tp_size} does not divide the world size {world}")
+    dp = world // args.tp_size
+    mesh = init_device_mesh(device.type, (dp, args.tp_size), mesh_dim_names=("dp", "tp"))
+    # Megatron-style: the first layer column-wise, the second row-wise (one all-reduce),
+    # the classifier column-wise with its output gathered.
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel(),
+                                           "4": ColwiseParallel(output_layouts=Replicate())})
+    fully_shard(model, mesh=mesh["dp"])
+    return monitor.watch(model), mesh["dp"].get_local_rank(), dp
 
 
 def evaluate(model: nn.Module, data: TeacherDataset, device, monitor: Monitor) -> tuple[float, float]:
@@ -230,12 +278,10 @@ def train(args: argparse.Namespace, monitor: Monitor, device: torch.device) -> N
     faults = Faults(args, rank, world)
     train_set = TeacherDataset(args.samples, args.seed, "train", slow_delay=args.slow_data_delay if faults.on else 0.0)
     eval_set = TeacherDataset(4096, args.seed, "eval")
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    model, data_rank, data_world = parallelize(args, monitor, device)
+    sampler = DistributedSampler(train_set, num_replicas=data_world, rank=data_rank, shuffle=True, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
                         collate_fn=train_set.collate, drop_last=True, persistent_workers=args.workers > 0)
-    cuda = device.type == "cuda"
-    model = monitor.watch(DDP(build_model(args.hidden).to(device), device_ids=[device.index] if cuda else None,
-                              bucket_cap_mb=args.bucket_cap_mb))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=2)
     accuracy = monitor.gauge("eval_accuracy_ratio", "Accuracy of the reference model on the held-out set.")
@@ -271,10 +317,18 @@ def save_checkpoint(directory: Path, step: int, model: nn.Module, opt: torch.opt
                     pause_s: float) -> None:
     """Rank 0 saves the step, the model and the optimizer; every rank spends ``pause_s``
     on it, as ranks wait for a real checkpoint of a large model."""
+    if not isinstance(model, DDP):   # sharded (fsdp2, 2d): every rank writes its shards
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, opt_state = get_state_dict(model, opt)
+        dcp.save({"model": model_state, "opt": opt_state}, checkpoint_id=directory / "sharded")
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
         tmp = directory / "checkpoint.tmp"
-        torch.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict()}, tmp)
+        state = {"step": step, "model": model.state_dict(), "opt": opt.state_dict()} if isinstance(model, DDP) \
+            else {"step": step}
+        torch.save(state, tmp)
         os.replace(tmp, directory / "checkpoint.pt")
     time.sleep(pause_s)
     dist.barrier()
@@ -285,9 +339,18 @@ def load_checkpoint(directory: Path, model: nn.Module, opt: torch.optim.Optimize
     path = directory / "checkpoint.pt"
     if not path.exists():
         return 0
-    state = torch.load(path, map_location=next(model.parameters()).device)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"])
+    state = torch.load(path, map_location="cpu")
+    if isinstance(model, DDP):
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, opt_state = get_state_dict(model, opt)
+        sharded = {"model": model_state, "opt": opt_state}
+        dcp.load(sharded, checkpoint_id=directory / "sharded")
+        set_state_dict(model, opt, model_state_dict=sharded["model"], optim_state_dict=sharded["opt"])
     return int(state["step"])
 
 
@@ -302,6 +365,8 @@ def train_step(monitor: Monitor, model: nn.Module, opt: torch.optim.Optimizer, l
             loss.backward()
         with s.phase("optimizer"):
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=5.0)
+            if hasattr(grad_norm, "full_tensor"):   # a DTensor (fsdp2, 2d)
+                grad_norm = grad_norm.full_tensor()
             opt.step()
             opt.zero_grad(set_to_none=True)
         s.observe(loss=loss.detach(), grad_norm=grad_norm, lr=opt.param_groups[0]["lr"])

@@ -31,6 +31,19 @@ COLLECTIVE_OPS: tuple[str, ...] = (
     "send",
     "recv",
 )
+# Every collective of every process group, as torch's flight recorder names it
+# (rankscope.process_groups): the ops above plus those without an explicit API
+# here; anything else is "other".
+PROCESS_GROUP_OPS: tuple[str, ...] = COLLECTIVE_OPS + ("reduce", "gather", "scatter", "other")
+# Labels of the per-process-group series: ``group`` is the group's role
+# (``default``, a device-mesh dimension name such as ``dp_shard`` or ``tp``, the
+# group's own description, else ``pg<name>``), ``group_id`` its name, the same
+# on every member rank and different for two groups of one role (the two ``tp``
+# groups of a 2x2 mesh): rules compare sequence numbers within one group_id.
+PROCESS_GROUP_LABELS: tuple[str, ...] = ("group", "group_id")
+# Process groups a rank publishes at most (RANKSCOPE_MAX_PROCESS_GROUPS); the
+# collectives of any further group are dropped and counted.
+MAX_PROCESS_GROUPS_DEFAULT = 16
 # A rank's series for an op exist from its first use of the op, except these,
 # which every data-parallel job uses and which read 0 from start-up.
 EAGER_COLLECTIVE_OPS: tuple[str, ...] = ("all_reduce",)
@@ -45,6 +58,8 @@ DROP_REASONS: dict[str, str] = {
     "collective": "a completed collective's timing evicted before it was published",
     "value": "an observed loss, grad_norm or lr that is not a number",
     "late_value": "a value observed after its step had ended",
+    "process_group": "a collective of a process group beyond the rank's budget (RANKSCOPE_MAX_PROCESS_GROUPS)",
+    "flight_recorder": "a collective overwritten in torch's flight recorder ring before it was read",
 }
 
 # Step times range from ~1 ms (tiny CPU models) to minutes (huge GPU steps).
@@ -154,6 +169,25 @@ RANK_METRICS: tuple[MetricSpec, ...] = (
        mode="livemostrecent"),
     _g("rankscope_collective_started_timestamp_seconds",
        "Unix time at which the collective now in flight started; 0 when none is.", ("op",), mode="livemostrecent"),
+    # every collective of every process group, from torch's flight recorder
+    _c("rankscope_process_group_collectives_total",
+       "Collectives issued on a process group, by op (every collective the backend ran, DDP's, FSDP's, "
+       "tensor parallel's and the user's alike).", PROCESS_GROUP_LABELS + ("op",)),
+    _c("rankscope_process_group_collective_bytes_total",
+       "Bytes of the collectives issued on a process group, by op (all_gather: the gathered output; "
+       "everything else: the input).", PROCESS_GROUP_LABELS + ("op",)),
+    _h("rankscope_process_group_collective_duration_seconds",
+       "Device duration of a process group's collectives, where the backend measures it (NCCL with "
+       "collective timing on); gloo gives none.", COLLECTIVE_BUCKETS, ("group", "op")),
+    _g("rankscope_process_group_last_enqueued_seq",
+       "Sequence number of the last collective this rank enqueued on the process group.",
+       PROCESS_GROUP_LABELS, mode="livemostrecent"),
+    _g("rankscope_process_group_last_completed_seq",
+       "Sequence number of the last collective of the process group that completed on this rank.",
+       PROCESS_GROUP_LABELS, mode="livemostrecent"),
+    _g("rankscope_process_group_in_flight_started_timestamp_seconds",
+       "Unix time at which the oldest collective of this op still in flight on the process group was "
+       "enqueued; 0 when none is.", PROCESS_GROUP_LABELS + ("op",), mode="livemostrecent"),
     # memory
     _g("rankscope_device_memory_allocated_bytes", "Bytes currently allocated by the CUDA caching allocator."),
     _g("rankscope_device_memory_reserved_bytes", "Bytes currently reserved by the CUDA caching allocator."),
