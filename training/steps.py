@@ -72,6 +72,15 @@ class Phase:
         if self.name == "backward":
             step.backward_start, step.backward_end = self.t0, t1
 
+    # Without a with-block, for code that only sees events (framework callbacks,
+    # rankscope.integrations): ``start()`` where ``__enter__`` would run, ``stop()``
+    # where ``__exit__`` would; each start needs its stop.
+    def start(self) -> "Phase":
+        return self.__enter__()
+
+    def stop(self) -> None:
+        self.__exit__(None, None, None)
+
 
 class Step:
     """The step in progress: ``with monitor.step() as step``. Reused from step to step."""
@@ -120,6 +129,11 @@ class Step:
         if lr is not None:
             self.lr = lr
 
+    def count(self, samples: int = 0, tokens: int = 0) -> None:
+        """Add samples and tokens to the open step (micro-batches counted as they arrive)."""
+        self.samples += samples
+        self.tokens += tokens
+
     def __enter__(self) -> "Step":
         self.timer.begin(self)
         return self
@@ -127,6 +141,18 @@ class Step:
     def __exit__(self, exc_type, exc, tb) -> bool:
         self.timer.end(self, exc)
         return False  # never swallow the loop's exception
+
+    # Without a with-block, for code that only sees events (framework callbacks,
+    # rankscope.integrations): ``monitor.step().begin()`` ... ``step.end()``.
+    def begin(self) -> "Step":
+        """Start the step (as entering ``with monitor.step()`` does)."""
+        return self.__enter__()
+
+    def end(self, exc: BaseException | None = None) -> None:
+        """End the step begun by ``begin()``. ``exc``: the exception that cut it short; such a
+        step is not counted as completed, and an out-of-memory error is counted as one."""
+        if self.open:
+            self.timer.end(self, exc)
 
 
 class StepTimer:
