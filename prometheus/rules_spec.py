@@ -176,6 +176,18 @@ NODE_LOST = (
     ")")
 
 
+# The wavefront of a hang, across nodes, from the flight recorder's sequence
+# numbers (rankscope.process_groups): a rank whose last enqueued collective on a
+# process group is behind the group's front while a peer of that group has
+# waited in a collective for collective_behind_wait_seconds, and which waits in
+# no collective itself (a rank blocked elsewhere, by the culprit, is a victim),
+# has stepped no more for as long, and is not frozen (RankFrozen says more).
+COLLECTIVE_BEHIND = (
+    "rank_group:rankscope_process_group_seq:behind\n"
+    "and on (run, rank) (rankscope_step_stalled_seconds{SEL} > <<collective_behind_wait_seconds>>)\n"
+    "unless on (run, rank) (rankscope_rank_state{SEL,state=\"frozen\"} == 1)")
+
+
 def cause(name: str, alert: str, condition: str) -> Record:
     """run:rankscope_cause:present{cause=NAME}: 1 while ALERT's condition holds in the run
     or the alert is pending or firing (keep_firing_for included). The victims' alerts of
@@ -186,7 +198,7 @@ def cause(name: str, alert: str, condition: str) -> Record:
 
 
 # Causes whose peers stall: a dead, lost, hung or frozen rank blocks the others.
-STALL_CAUSES = "rank_down|node_lost|hang_suspect|frozen"
+STALL_CAUSES = "rank_down|node_lost|hang_suspect|frozen|collective_behind"
 
 
 RECORDING_RULES: tuple[Record, ...] = (
@@ -269,11 +281,35 @@ RECORDING_RULES: tuple[Record, ...] = (
     Record("run:rankscope_ranks:stopped",
            "count by (run) (rankscope_rank_state{SEL,state=~\"stuck_in_collective|stuck|frozen|dead\"} == 1)\n"
            "unless on (run) (rankscope_rank_state{SEL,state=~\"starting|progressing\"} == 1)"),
+    # ---- every process group: sequence numbers and the wavefront of a hang ----
+    # How long each rank has waited in the oldest collective of an op on a group.
+    Record("rank_group_op:rankscope_process_group_in_flight:seconds",
+           "time() - (rankscope_process_group_in_flight_started_timestamp_seconds{SEL} > 0)"),
+    # The front of each process group (the same group_id on every member rank,
+    # whichever node it is on): its highest last-enqueued sequence number, and
+    # its longest wait.
+    Record("group:rankscope_process_group_last_enqueued_seq:max",
+           "max by (run, group, group_id) (rankscope_process_group_last_enqueued_seq{SEL})"),
+    Record("group:rankscope_process_group_in_flight:max_seconds",
+           "max by (run, group, group_id) (rank_group_op:rankscope_process_group_in_flight:seconds)"),
+    # Collectives a rank is behind its group's front while a peer of the group
+    # has waited past the bar and the rank itself waits in nothing that long.
+    Record("rank_group:rankscope_process_group_seq:behind",
+           "(\n"
+           "  group:rankscope_process_group_last_enqueued_seq:max\n"
+           "  - on (run, group, group_id) group_right ()\n"
+           "  rankscope_process_group_last_enqueued_seq{SEL}\n"
+           ") > 0\n"
+           "and on (run, group_id) (group:rankscope_process_group_in_flight:max_seconds"
+           " > <<collective_behind_wait_seconds>>)\n"
+           "unless on (run, rank) (rank_group_op:rankscope_process_group_in_flight:seconds"
+           " > <<collective_behind_wait_seconds>>)"),
     # ---- causes present in a run (1 per cause): their victims are not blamed ---
     cause("rank_down", "RankscopeRankDown", RANK_DOWN),
     cause("node_lost", "RankscopeNodeLost", NODE_LOST),
     cause("hang_suspect", "RankscopeHangSuspect", HANG_SUSPECT),
     cause("frozen", "RankscopeRankFrozen", RANK_FROZEN),
+    cause("collective_behind", "RankscopeCollectiveBehind", COLLECTIVE_BEHIND),
     cause("stalled", "RankscopeRunStalled", STALLED),
     cause("straggler", "RankscopeStraggler", STRAGGLER),
     cause("input_bound", "RankscopeInputBound", INPUT_BOUND),
@@ -347,6 +383,28 @@ ALERTS: tuple[Alert, ...] = (
           "{{ with printf `topk(1, max by (op) (rankscope_collective_in_flight_seconds{SEL,run=\"%s\"}) > 0)` "
           "$labels.run | query }}{{ range . }}{{ .Labels.op }} (for {{ .Value | humanizeDuration }})"
           "{{ end }}{{ else }}a collective{{ end }}. This rank is the likely culprit."),
+    # The same hang located by sequence numbers, for every process group and
+    # across nodes: FSDP, tensor parallel, pipeline and sub-group collectives,
+    # which the rank-state suspect (HangSuspect: DDP and explicit collectives)
+    # does not see. Where HangSuspect (or a dead, lost or frozen rank) already
+    # names the cause, it stays quiet: one page per hang.
+    Alert("RankscopeCollectiveBehind",
+          "(\n  " + _indent(COLLECTIVE_BEHIND) + "\n)\n"
+          "unless on (run) run:rankscope_cause:present{cause=~\"rank_down|node_lost|hang_suspect|frozen\"}",
+          "critical",
+          "Run {{ $labels.run }} hangs in process group {{ $labels.group }}: rank {{ $labels.rank }} "
+          "on node {{ $labels.node }} is behind",
+          "In " + WHO + ", the last collective enqueued on process group {{ $labels.group }} "
+          "(id {{ $labels.group_id }}) is "
+          "{{ with printf `rankscope_process_group_last_enqueued_seq{SEL,run=\"%s\",rank=\"%s\",group_id=\"%s\"}` "
+          "$labels.run $labels.rank $labels.group_id | query }}seq {{ . | first | value }}{{ end }}, "
+          "{{ $value }} behind its peers, who wait in "
+          "{{ with printf `topk(1, max by (op) (rank_group_op:rankscope_process_group_in_flight:seconds"
+          "{run=\"%s\",group_id=\"%s\"}))` $labels.run $labels.group_id | query }}{{ range . }}{{ .Labels.op }} "
+          "(for {{ .Value | humanizeDuration }}){{ end }}{{ else }}a collective{{ end }} up to "
+          "{{ with printf `group:rankscope_process_group_last_enqueued_seq:max{run=\"%s\",group_id=\"%s\"}` "
+          "$labels.run $labels.group_id | query }}seq {{ . | first | value }}{{ end }}. "
+          "This rank has not issued that collective: it is the likely culprit."),
     # The victims of a dead, lost, hung or frozen rank stall too: the cause's own
     # alert pages for the run, this one only when no cause is known.
     Alert("RankscopeRunStalled",
