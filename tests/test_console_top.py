@@ -1,0 +1,180 @@
+"""`rankscope top` on a real hang (issue 18): a 3-rank job whose last rank hangs before
+the all-reduce of step 30, read from its node exporter.
+
+The live screen runs in a real terminal (a private tmux server, read back with
+``capture-pane``): the hung rank is marked as the hang suspect, its peers show
+`stuck_in_collective` in `all_reduce` with the wait's age, states are coloured,
+the keys sort, filter and quit. `--once` prints the same facts as plain text.
+A bad URL or an unknown run is one error line and exit 2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.jobs import REPO, TrainJob, free_port, value, wait_until
+
+FAST_STATES = {"RANKSCOPE_STUCK_AFTER_S": "5", "RANKSCOPE_FROZEN_AFTER_S": "4", "RANKSCOPE_SUSPECT_AFTER_S": "5"}
+HUNG_RANK = "2"
+WAITING_RANKS = ("0", "1")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (tests/run.sh installs it)")
+
+
+def rankscope_command() -> list[str]:
+    """The installed console script, as a user runs it (the module when the script is not installed)."""
+    script = Path(sys.executable).with_name("rankscope")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "rankscope.console"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE_")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def table_rows(screen: str) -> dict[str, str]:
+    """rank -> its table line (a line whose first word is a rank number)."""
+    rows = {}
+    for line in ANSI.sub("", screen).splitlines():
+        match = re.match(r"^[\s|]*(\d+)\s*\|?\s+\S", line)
+        if match:
+            rows[match.group(1)] = line
+    return rows
+
+
+def shows_the_hang(screen: str) -> bool:
+    rows = table_rows(screen)
+    if set(rows) != {"0", "1", "2"}:
+        return False
+    waiting_ok = all("stuck_in_collective" in rows[r] and "all_reduce" in rows[r] and "SUSPECT" not in rows[r]
+                     for r in WAITING_RANKS)
+    hung = rows[HUNG_RANK]
+    return waiting_ok and "SUSPECT" in hung and re.search(r"\bstuck\b", hung) is not None and "all_reduce" not in hung
+
+
+class Tmux:
+    """A private tmux server (its own socket) running one command in a fixed-size window."""
+
+    def __init__(self, command: list[str], env: dict[str, str], width: int = 200, height: int = 40):
+        self.socket = f"rankscope-test-{uuid.uuid4().hex[:8]}"
+        self.status_file = Path(f"/tmp/{self.socket}.status")
+        shell = shlex.join(command)
+        self._run("new-session", "-d", "-s", "top", "-x", str(width), "-y", str(height),
+                  f"{shell}; echo $? > {self.status_file}", env=env)
+
+    def _run(self, *args: str, env: dict[str, str] | None = None, check: bool = True) -> str:
+        proc = subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=20, env=env)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"tmux {args[0]}: {proc.stderr.strip()}")
+        return proc.stdout
+
+    def screen(self, colors: bool = False) -> str:
+        return self._run("capture-pane", "-p", *(["-e"] if colors else []), "-t", "top")
+
+    def keys(self, *keys: str) -> None:
+        self._run("send-keys", "-t", "top", *keys)
+
+    def alive(self) -> bool:
+        return subprocess.run(["tmux", "-L", self.socket, "has-session", "-t", "top"], capture_output=True,
+                              timeout=10).returncode == 0
+
+    def close(self) -> None:
+        self._run("kill-server", check=False)
+        self.status_file.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def hung_job():
+    with TrainJob(nproc=3, steps=100_000, extra_args=["--hang-at", "30", "--step-delay", "0.01"],
+                  env=FAST_STATES) as job:
+        wait_until(lambda: f"rank {HUNG_RANK}: injected hang" in job.log(), timeout=150, what="the injected hang")
+        job.wait_for(lambda s: value(s, "rankscope_hang_suspect", rank=HUNG_RANK) == 1
+                     and all(value(s, "rankscope_rank_state", rank=r, state="stuck_in_collective") == 1
+                             for r in WAITING_RANKS), timeout=40, what="the exporter to name the suspect")
+        yield job
+
+
+def test_live_screen_in_a_terminal_marks_the_suspect_and_the_waiting_ranks(hung_job):
+    node = next(s.labels["node"] for s in hung_job.scrape() if s.name == "rankscope_rank_up")
+    tmux = Tmux([*rankscope_command(), "top", hung_job.url, "--interval", "1"], env=_env())
+    try:
+        screen = wait_until(lambda: shows_the_hang(tmux.screen()) and tmux.screen(), timeout=30,
+                            what="the top screen to show the hang")
+        print(screen.rstrip())
+        plain = ANSI.sub("", screen)
+        assert f"run {hung_job.run_id}" in plain
+        assert "hang suspect: rank 2" in plain
+        assert re.search(r"ranks: 2 stuck_in_collective, 1 stuck", plain), plain
+        for r in WAITING_RANKS:   # the age of the wait is shown, in seconds
+            assert re.search(r"all_reduce\s+\d+(\.\d+)?s\b", table_rows(screen)[r]), table_rows(screen)[r]
+        coloured = tmux.screen(colors=True)
+        suspect_line = next(line for line in coloured.splitlines() if "SUSPECT" in line)
+        assert "\x1b[" in suspect_line, "the state and the suspect mark are coloured"
+
+        tmux.keys("c")
+        wait_until(lambda: "sorted by comm wait" in tmux.screen(), timeout=10, what="sort by comm wait")
+        tmux.keys("l")
+        wait_until(lambda: "sorted by step lag" in tmux.screen(), timeout=10, what="sort by step lag")
+        tmux.keys("t")
+        wait_until(lambda: "sorted by step time" in tmux.screen(), timeout=10, what="sort by step time")
+        tmux.keys("n")
+        wait_until(lambda: f"node {node}" in tmux.screen(), timeout=10, what="filter by node")
+        assert shows_the_hang(tmux.screen())   # all three ranks are on this node
+        tmux.keys("q")
+        wait_until(lambda: tmux.status_file.exists(), timeout=10, what="top to quit on q")
+        assert tmux.status_file.read_text().strip() == "0"
+    finally:
+        tmux.close()
+
+
+def test_once_prints_the_same_facts_as_plain_text(hung_job):
+    proc = subprocess.run([*rankscope_command(), "top", hung_job.url, "--once", "--run", hung_job.run_id],
+                          capture_output=True, text=True, timeout=60, env=_env())
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stderr
+    assert "\x1b[" not in proc.stdout, "plain text: no escape codes"
+    assert shows_the_hang(proc.stdout), proc.stdout
+    assert "hang suspect: rank 2" in proc.stdout
+    assert f"run {hung_job.run_id}" in proc.stdout
+
+
+def check_one_line_error(proc: subprocess.CompletedProcess, *expected: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rankscope: error: "), proc.stderr
+    for text in expected:
+        assert text in lines[0], (text, lines[0])
+
+
+def test_bad_url_and_unknown_run_are_one_line_errors(hung_job):
+    closed = free_port()
+    for args, expected in (
+        ([f"127.0.0.1:{closed}"], ("cannot connect",)),
+        (["--prometheus", f"http://127.0.0.1:{closed}"], ("cannot connect",)),
+        (["ftp://example/metrics"], ("not an http(s) URL",)),
+        ([hung_job.url, "--run", "no-such-run"], ("no-such-run", "not found", hung_job.run_id)),
+        ([hung_job.url, "--node", "no-such-node"], ("no-such-node",)),
+    ):
+        proc = subprocess.run([*rankscope_command(), "top", *args, "--once"], capture_output=True, text=True,
+                              timeout=60, env=_env())
+        check_one_line_error(proc, *expected)
+    # The live screen checks its source before it takes the terminal.
+    tmux = Tmux([*rankscope_command(), "top", hung_job.url, "--run", "no-such-run"], env=_env())
+    try:
+        wait_until(lambda: tmux.status_file.exists(), timeout=20, what="top to exit")
+        assert tmux.status_file.read_text().strip() == "2"
+    finally:
+        tmux.close()
