@@ -138,7 +138,7 @@ class Monitor:
         self.comm = comm_timing.choose(self.config.comm_timing, model, self.tracker,
                                        lambda: self.errors.error("collectives"))
         self.steps.comm = self.comm
-        return ddp_model
+        return model
 
     # -- the hot path ---------------------------------------------------------
     def data(self, iterable: Iterable[Any]) -> Iterator[Any]:
