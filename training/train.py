@@ -22,7 +22,9 @@ rank, a slow data pipeline.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import json
 import os
 import random
 import signal
@@ -60,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parallelism", choices=PARALLELISMS, default="ddp",
                    help="ddp (default), fsdp2 (fully_shard), or 2d (data parallel x tensor parallel mesh)")
     p.add_argument("--tp-size", type=int, default=2, help="2d: ranks per tensor-parallel group (default 2)")
+    p.add_argument("--comm-debug", action="store_true",
+                   help="count every step's and evaluation's collectives with torch's CommDebugMode and print the "
+                        "totals at the end (a check of what rankscope counts; slows the steps)")
     p.add_argument("--bucket-cap-mb", type=float, default=0.1,
                    help="DDP gradient bucket size (small by default so the small model has several buckets)")
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step on every rank (longer runs)")
@@ -289,16 +294,19 @@ def train(args: argparse.Namespace, monitor: Monitor, device: torch.device) -> N
     loss_fn = nn.CrossEntropyLoss()
     step = load_checkpoint(args.checkpoint_dir, model, opt) if args.resume else 0
     epoch, first, t_start = 0, step, time.perf_counter()
+    comm_debug = CommCounts() if args.comm_debug else None
     while step < args.steps:
         sampler.set_epoch(epoch)
         for x, y in monitor.data(loader):
             if step >= args.steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = train_step(monitor, model, opt, loss_fn, x, y, step, faults)
+            with comm_debug.count("step") if comm_debug else contextlib.nullcontext():
+                loss = train_step(monitor, model, opt, loss_fn, x, y, step, faults)
             step += 1
             if step % args.eval_every == 0 or step == args.steps:
-                eval_loss, acc = evaluate(model, eval_set, device, monitor)
+                with comm_debug.count("eval") if comm_debug else contextlib.nullcontext():
+                    eval_loss, acc = evaluate(model, eval_set, device, monitor)
                 time.sleep(args.eval_pause)
                 sched.step(eval_loss)
                 accuracy.set(acc)
@@ -311,6 +319,28 @@ def train(args: argparse.Namespace, monitor: Monitor, device: torch.device) -> N
                 print(f"step {step}/{args.steps} loss {loss.item():.4f} lr {opt.param_groups[0]['lr']:.4g} "
                       f"{1000 * (time.perf_counter() - t_start) / (step - first):.1f} ms/step", flush=True)
         epoch += 1
+    if comm_debug and rank == 0:
+        print("comm-debug: " + json.dumps(comm_debug.totals, sort_keys=True), flush=True)
+
+
+class CommCounts:
+    """Collectives counted by torch's own CommDebugMode, per kind of work (step, eval) and op."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, dict[str, int]] = {}
+
+    @contextlib.contextmanager
+    def count(self, what: str):
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        mode = CommDebugMode()
+        with mode:
+            yield
+        totals = self.totals.setdefault(what, {"times": 0})
+        totals["times"] += 1
+        for op, n in mode.get_comm_counts().items():
+            name = str(op).split(".")[-1]   # c10d._allgather_base_, c10d_functional.all_reduce -> the op's name
+            totals[name] = totals.get(name, 0) + n
 
 
 def save_checkpoint(directory: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer,

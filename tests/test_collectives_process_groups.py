@@ -1,0 +1,157 @@
+"""Every collective of every process group, end to end: real torchrun jobs of the
+reference trainer in FSDP2 and 2-D (dp x tp) modes on gloo, their exporters,
+and a real Prometheus loaded with the shipped rules at the fast drill thresholds.
+
+* FSDP2: the all-gathers and reduce-scatters rankscope counts per step are
+  those torch's CommDebugMode counts for the same steps (on gloo the backend
+  runs a reduce-scatter as an all-reduce of the whole gradient, and the flight
+  recorder records what ran: rankscope's ``all_reduce`` = CommDebugMode's
+  reduce-scatters + all-reduces); all-gather bytes are the parameter shards
+  times the world size. No alert fires in that healthy run, nor in a healthy
+  2-D run.
+* Two simulated nodes (two torchrun agents, their own metrics directories,
+  node names and exporter ports, one Prometheus): a rank of node B that hangs
+  before its backward, in FSDP2 mode and in 2-D mode, is named by
+  RankscopeCollectiveBehind with node B, the process group and the op its
+  peers wait in, within the fast rule's ``for:`` + 2 scrapes of the moment its
+  peers had waited ``collective_behind_wait_seconds``; no rank of node A is
+  named, and no other hang alert pages for the run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+
+import pytest
+import yaml
+
+from prometheus import generate
+from tests.helpers.jobs import REPO, TrainJob, free_port, wait_until
+from tests.helpers.promstack import PrometheusServer
+
+FAST = yaml.safe_load((REPO / "prometheus" / "fast.yaml").read_text())
+WAIT_S = float(FAST["params"]["collective_behind_wait_seconds"])
+SCRAPE_S = 1.0   # PrometheusServer's test scrape and evaluation interval
+HIDDEN = 256     # the trainer's default width
+
+
+@pytest.fixture(scope="module")
+def fast_rules(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fast-rules")
+    generate.main(["--override", str(REPO / "prometheus" / "fast.yaml"), "--out", str(out)])
+    return [out / generate.RECORDING_FILE, out / generate.ALERTS_FILE]
+
+
+def by_op(prom: PrometheusServer, metric: str, run: str, rank: str = "0") -> dict[str, float]:
+    return {r["metric"]["op"]: float(r["value"][1])
+            for r in prom.query(f'sum by (op) ({metric}{{run="{run}",rank="{rank}"}})')}
+
+
+def alerts_fired(prom: PrometheusServer, run: str) -> list[dict]:
+    """Every alert that was pending or firing for the run in the last 10 minutes."""
+    return prom.query(f'max_over_time(ALERTS{{run="{run}"}}[10m])')
+
+
+def layer_gather_bytes(world: int) -> int:
+    """Bytes one all-gather of each fully_shard-ed linear layer moves, summed over the three layers:
+    the world size times each rank's dim-0 shard (padded as FSDP2 pads), float32."""
+    total = 0
+    for fan_in, fan_out in ((32, HIDDEN), (HIDDEN, HIDDEN), (HIDDEN, 10)):
+        rows = -(-fan_out // world)     # FSDP2 shards dim 0 into equal, padded chunks
+        total += world * (rows * fan_in + rows) * 4
+    return total
+
+
+def test_fsdp2_counts_equal_comm_debug_mode_bytes_match_the_shards_and_no_alert_fires(fast_rules):
+    steps = 30
+    with TrainJob(nproc=2, steps=steps, extra_args=["--parallelism", "fsdp2", "--comm-debug", "--eval-every",
+                                                    "100000", "--step-delay", "0.02"]) as job, \
+            PrometheusServer(targets=[f"127.0.0.1:{job.port}"], rule_files=fast_rules) as prom:
+        assert job.wait(timeout=150) == 0, job.log()[-3000:]
+        expected = json.loads(re.search(r"^comm-debug: (.*)$", job.log(), re.M).group(1))
+        step, evaluation = expected["step"], expected["eval"]
+        assert step["times"] == steps and evaluation["times"] == 1
+        # The exporter still serves the finished ranks' counters; wait for a scrape that has the final ones.
+        counts = wait_until(lambda: (c := by_op(prom, "rankscope_process_group_collectives_total", job.run_id))
+                            and c.get("barrier") and c, timeout=30, what="final process-group counts")
+        nbytes = by_op(prom, "rankscope_process_group_collective_bytes_total", job.run_id)
+        fired = alerts_fired(prom, job.run_id)
+    gathers = step["_allgather_base_"] + evaluation["_allgather_base_"]
+    assert counts["all_gather"] == gathers
+    assert (counts["all_gather"] - evaluation["_allgather_base_"]) / steps == step["_allgather_base_"] / steps == 6
+    # gloo: FSDP2's reduce-scatter goes over the wire as an all-reduce (and is recorded so).
+    assert step["_reduce_scatter_base_"] / steps == 3
+    assert counts["all_reduce"] == step["_reduce_scatter_base_"] + step["all_reduce"] + evaluation["allreduce_"]
+    assert counts["barrier"] == 1        # the trainer's last barrier
+    assert set(counts) == {"all_gather", "all_reduce", "barrier"}
+    # Each all-gather moves one layer's shards; the three layers are gathered equally often.
+    assert nbytes["all_gather"] == gathers // 3 * layer_gather_bytes(2)
+    # Reduce-scatters (as all-reduces) move each layer's whole gradient: the same bytes, plus a few small all-reduces.
+    reduce_scatter_bytes = step["_reduce_scatter_base_"] // 3 * layer_gather_bytes(2)
+    assert reduce_scatter_bytes <= nbytes["all_reduce"] <= reduce_scatter_bytes + 1024
+    assert fired == [], [a["metric"] for a in fired]
+
+
+def test_healthy_2d_run_fires_no_alert_and_names_its_mesh_groups(fast_rules):
+    with TrainJob(nproc=4, steps=30, extra_args=["--parallelism", "2d", "--eval-every", "100000",
+                                                 "--step-delay", "0.02"], env={"OMP_NUM_THREADS": "1"}) as job, \
+            PrometheusServer(targets=[f"127.0.0.1:{job.port}"], rule_files=fast_rules) as prom:
+        assert job.wait(timeout=150) == 0, job.log()[-3000:]
+        groups = wait_until(lambda: {(r["metric"]["rank"], r["metric"]["group"], r["metric"]["group_id"])
+                                     for r in prom.query(f'rankscope_process_group_collectives_total'
+                                                         f'{{run="{job.run_id}",op="all_gather"}}')},
+                            timeout=30, what="2-D groups")
+        fired = alerts_fired(prom, job.run_id)
+    labels = {g for _, g, _ in groups}
+    assert {"tp", "dp"} <= labels <= {"tp", "dp", "default"}
+    # Two tp groups and two dp groups, each the same group_id on both of its ranks.
+    for role in ("tp", "dp"):
+        members: dict[str, set[str]] = {}
+        for rank, g, gid in groups:
+            if g == role:
+                members.setdefault(gid, set()).add(rank)
+        assert sorted(map(len, members.values())) == [2, 2], (role, members)
+    assert fired == [], [a["metric"] for a in fired]
+
+
+@pytest.mark.parametrize("mode", ["fsdp2", "2d"])
+def test_hang_on_node_b_pages_naming_its_rank_node_group_and_op(mode, fast_rules, tmp_path):
+    nproc = 1 if mode == "fsdp2" else 2
+    culprit = str(2 * nproc - 1)           # the last rank: on node B
+    rdzv = free_port()
+    run = f"behind-{mode}-{rdzv}"
+    args = ["--parallelism", mode, "--step-delay", "0.05", "--hang-at", "30", "--eval-every", "100000"]
+    jobs = [TrainJob(nproc=nproc, steps=2000, run_id=run, extra_args=args, metrics_dir=tmp_path / f"m{i}",
+                     nodes=(2, i, rdzv), env={"RANKSCOPE_NODE": f"node-{'ab'[i]}", "OMP_NUM_THREADS": "1"})
+            for i in range(2)]
+    with jobs[0], jobs[1], PrometheusServer(targets=[f"127.0.0.1:{j.port}" for j in jobs],
+                                            rule_files=fast_rules) as prom:
+        def firing():
+            alerts = [a for a in prom.alerts() if a["labels"]["alertname"] == "RankscopeCollectiveBehind"
+                      and a["labels"].get("run") == run]
+            return alerts if alerts and all(a["state"] == "firing" for a in alerts) else None
+
+        alerts = wait_until(firing, timeout=120, what="RankscopeCollectiveBehind firing")
+        # When the peers' wait crossed the bar: the earliest in-flight start of the run, plus the bar.
+        started = min(float(r["value"][1]) for r in prom.query(
+            f'rankscope_process_group_in_flight_started_timestamp_seconds{{run="{run}"}} > 0'))
+        others = [a for a in prom.alerts() if a["labels"].get("run") == run
+                  and a["labels"]["alertname"] != "RankscopeCollectiveBehind" and a["labels"]["severity"] == "critical"]
+        for job in jobs:   # the hang is real: the job is still running
+            assert job.proc.poll() is None, job.log()[-2000:]
+    for a in alerts:
+        labels = a["labels"]
+        assert (labels["rank"], labels["node"]) == (culprit, "node-b"), labels
+        assert labels["group"] in ({"default"} if mode == "fsdp2" else {"tp", "dp"}), labels
+        op = re.search(r"who wait in (\w+) \(for", a["annotations"]["description"])
+        assert op and op.group(1) in ("all_gather", "all_reduce", "reduce_scatter"), a["annotations"]["description"]
+        assert re.search(r"is seq \d+, \d+ behind its peers", a["annotations"]["description"]), a["annotations"]
+    active = min(datetime.datetime.fromisoformat(a["activeAt"].replace("Z", "+00:00")).timestamp() for a in alerts)
+    latency = active - (started + WAIT_S)
+    print(f"{mode}: CollectiveBehind pending {latency:.2f} s after the peers' wait crossed {WAIT_S:.0f} s; "
+          f"firing after the rule's for:")
+    # Pending within 2 scrapes (+ 1 rule evaluation) of the crossing; firing `for:` later.
+    assert latency <= 2 * SCRAPE_S + SCRAPE_S, latency
+    assert others == [], [o["labels"] for o in others]
