@@ -121,7 +121,12 @@ class Prometheus:
     def check(self) -> None:
         """Fail early, with one line, if the URL is not a Prometheus server."""
         if not self._checked:
-            data = self.api("status/buildinfo")
+            try:
+                data = self.api("status/buildinfo")
+            except SourceError as e:
+                if "HTTP 404" not in str(e):
+                    raise
+                raise SourceError(f"{self.url}: not a Prometheus server (no /api/v1/status/buildinfo)") from None
             if not isinstance(data, dict) or "version" not in data:
                 raise SourceError(f"{self.url}: not a Prometheus server (no build info)")
             self._checked = True
