@@ -29,5 +29,16 @@ if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/de
         exit 1
     fi
 fi
+# The full run's console tests (issue 18): `rankscope top` in a real terminal (tmux) and the
+# report rendered by a real browser (Debian's chromium). The fast tier and the matrix use neither.
+if [ "${tier[*]}" = "-m not matrix" ] && { ! command -v tmux >/dev/null || ! command -v chromium >/dev/null; }; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends tmux chromium >/dev/null \
+            || echo "warning: could not install tmux and chromium; the console tests that need them are skipped" >&2
+    else
+        echo "note: without tmux and chromium (sudo apt-get install tmux chromium) the console tests that need them are skipped" >&2
+    fi
+fi
 bash deploy/local/setup.sh dev
 exec .venv/bin/python -m pytest -q "${tier[@]}" "$@"
