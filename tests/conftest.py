@@ -30,6 +30,7 @@ TESTS = Path(__file__).resolve().parent
 # Files (relative to tests/) whose tests are fast unless marked `integration`.
 FAST_FILES = frozenset({
     "test_catalog.py",
+    "test_collectives_units.py",
     "test_dashboards.py",
     "test_deploy.py",
     "test_monitor_api.py",

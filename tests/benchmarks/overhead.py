@@ -23,6 +23,13 @@ step. The monitor runs with its defaults: metrics on, the node exporter
 auto-started, tracing on (a real OTLP/gRPC receiver in this process, every
 100th step sampled); a thread here scrapes /metrics every second.
 
+``--parallelism fsdp2`` measures the same way on FSDP2 (``fully_shard`` on
+each linear layer and the root): two sharded copies of the model, A ``bare``
+and B ``full`` (``monitor.watch`` of the sharded model and the step API); the
+collectives are seen through torch's flight recorder, read by the monitor's
+``rankscope-process-groups`` thread, whose CPU is reported with the other
+background threads.
+
 What the interleaving cannot separate: the monitor's background threads and
 the exporter run during bare steps too. Their CPU is measured directly and
 reported as a share of the node's CPU next to the paired figures.
@@ -48,8 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (REPO, bare_step, emit_json, kill_noted_ranks, loadavg, machine, mean_ci, mlp,  # noqa: E402
                     monitored_step, note_rank_pid, proc_cpu_seconds, table)
 
-VARIANTS = ("bare", "full", "hook")
-ORDERS = list(itertools.permutations(range(len(VARIANTS))))
+VARIANTS_BY_PARALLELISM = {"ddp": ("bare", "full", "hook"), "fsdp2": ("bare", "full")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=12, help="rounds discarded at the start")
     p.add_argument("--hidden", type=int, default=1024, help="width of the 3-layer MLP (1024: ~3.1 M parameters)")
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--parallelism", choices=sorted(VARIANTS_BY_PARALLELISM), default="ddp",
+                   help="ddp (default: bare, full, hook) or fsdp2 (bare, full)")
     p.add_argument("--quick", action="store_true", help="50 rounds: a smoke run, not a measurement")
     p.add_argument("--no-tracing", action="store_true", help="do not start the OTLP receiver")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -89,13 +97,26 @@ def worker(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     h = args.hidden
     base = mlp(h)
-    models = [DDP(copy.deepcopy(base)), monitor.watch(DDP(copy.deepcopy(base))), DDP(copy.deepcopy(base))]
-    # One monitor per process: variant C gets the hook that watch() registers with comm_timing="hook".
-    HookTiming(monitor.tracker, lambda: None).attach(models[2])
+    variants = VARIANTS_BY_PARALLELISM[args.parallelism]
+    orders = list(itertools.permutations(range(len(variants))))
+    if args.parallelism == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        def sharded(model):
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer)
+            return fully_shard(model)
+
+        models = [sharded(copy.deepcopy(base)), monitor.watch(sharded(copy.deepcopy(base)))]
+    else:
+        models = [DDP(copy.deepcopy(base)), monitor.watch(DDP(copy.deepcopy(base))), DDP(copy.deepcopy(base))]
+        # One monitor per process: variant C gets the hook that watch() registers with comm_timing="hook".
+        HookTiming(monitor.tracker, lambda: None).attach(models[2])
     opts = [torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for m in models]
     batch = (torch.randn(args.batch, h), torch.randn(args.batch, h))
     plain_batches = itertools.repeat(batch)
-    monitored_batches = [None, monitor.data(itertools.repeat(batch)), monitor.data(itertools.repeat(batch))]
+    monitored_batches = [None] + [monitor.data(itertools.repeat(batch)) for _ in models[1:]]
     lr = opts[0].param_groups[0]["lr"]
 
     def plain() -> None:
@@ -104,14 +125,14 @@ def worker(args: argparse.Namespace) -> int:
     def monitored(i: int) -> None:
         monitored_step(monitor, models[i], opts[i], *next(monitored_batches[i]), lr=lr)
 
-    steps = [plain, lambda: monitored(1), lambda: monitored(2)]
-    times: list[list[float]] = [[], [], []]
+    steps = [plain] + [lambda i=i: monitored(i) for i in range(1, len(models))]
+    times: list[list[float]] = [[] for _ in models]
     perf = time.perf_counter
     background = [t for t in threading.enumerate() if t is not threading.main_thread()]
     cpu0 = _threads_cpu(background)
     wall0 = perf()
     for r in range(args.warmup + args.rounds):
-        for i in ORDERS[r % len(ORDERS)]:
+        for i in orders[r % len(orders)]:
             dist.barrier()
             t0 = perf()
             steps[i]()
@@ -122,8 +143,11 @@ def worker(args: argparse.Namespace) -> int:
     background = [t for t in threading.enumerate() if t is not threading.main_thread()]
     bg_cpu = _threads_cpu(background) - cpu0
     dist.barrier()
+    reader = monitor.process_groups
     monitor.close()
-    result = {"rank": rank, "times": dict(zip(VARIANTS, times)), "wall_s": wall, "background_cpu_s": bg_cpu,
+    gil = {"longest_slice_ms": 1000 * reader.longest_slice_s, "longest_slice_cpu_ms": 1000 * reader.longest_slice_cpu_s,
+           "entries_read": reader.entries_read} if reader else {}
+    result = {"rank": rank, "times": dict(zip(variants, times)), "process_group_reader": gil, "wall_s": wall, "background_cpu_s": bg_cpu,
               "background_threads": sorted({t.name for t in background}), "traced": monitor.tracing.enabled}
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -196,7 +220,7 @@ def launch(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(Path(__file__).resolve()), "--worker", "--out", str(tmp), "--port", str(port),
            "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--hidden", str(args.hidden),
-           "--batch", str(args.batch)]
+           "--batch", str(args.batch), "--parallelism", args.parallelism]
     load_before = loadavg()
     scraper = Scraper(port)
     scraper.start()
@@ -251,7 +275,9 @@ def _compare(times: dict, a: str, b: str) -> dict:
 def _report(args, ranks, scraper, exporter_cpu, elapsed, spans, load_before) -> None:
     comparisons = {"full_vs_bare": ("bare", "full"), "hook_vs_bare": ("bare", "hook"),
                    "hook_vs_full": ("full", "hook")}
-    rows, figures = [], {"rounds": args.rounds, "ranks": {}}
+    if args.parallelism == "fsdp2":
+        comparisons = {"full_vs_bare": ("bare", "full")}
+    rows, figures = [], {"rounds": args.rounds, "parallelism": args.parallelism, "ranks": {}}
     for r in ranks:
         per_rank = {}
         for label, (a, b) in comparisons.items():
@@ -263,8 +289,9 @@ def _report(args, ranks, scraper, exporter_cpu, elapsed, spans, load_before) -> 
                          f"{100 * c['median_ratio']:+.2f}%"])
         per_rank["background_cpu_share_of_core"] = r["background_cpu_s"] / r["wall_s"]
         per_rank["background_threads"] = r["background_threads"]
+        per_rank["process_group_reader"] = r["process_group_reader"]
         figures["ranks"][str(r["rank"])] = per_rank
-    print(f"rankscope overhead: 2 ranks (gloo, 127.0.0.1), {args.hidden}x3 MLP, batch {args.batch}, "
+    print(f"rankscope overhead ({args.parallelism}): 2 ranks (gloo, 127.0.0.1), {args.hidden}x3 MLP, batch {args.batch}, "
           f"{args.rounds} rounds after {args.warmup} warm-up, tracing {'on' if ranks[0]['traced'] else 'off'}")
     print(table(["rank", "comparison (B - A)", "pairs", "A mean ms", "mean diff ms", "95% CI ms",
                  "diff / A step [95% CI]", "median ratio - 1"], rows))
@@ -281,6 +308,10 @@ def _report(args, ranks, scraper, exporter_cpu, elapsed, spans, load_before) -> 
          if scraper.durations else "n/a"],
         ["background CPU as share of the node's 2 cores", f"{100 * node_share:.2f}%"],
         ["spans received", spans],
+        ["flight-recorder entries read / reader's longest GIL slice, wall / own CPU (ms), rank 0",
+         f"{ranks[0]['process_group_reader'].get('entries_read', 0)} / "
+         f"{ranks[0]['process_group_reader'].get('longest_slice_ms', float('nan')):.3f} / "
+         f"{ranks[0]['process_group_reader'].get('longest_slice_cpu_ms', float('nan')):.3f}"],
         ["load average before / after", f"{load_before} / {loadavg()}"],
     ]))
     full0, full1 = figures["ranks"]["0"]["full_vs_bare"], figures["ranks"]["1"]["full_vs_bare"]

@@ -1,0 +1,204 @@
+"""rankscope.process_groups without a job: op names, group labels, message sizes,
+and the reader's bookkeeping over flight-recorder JSON as torch 2.13 writes it
+(incremental reads, entries lost to the ring, the group budget, in-flight ages).
+The same reader against a real recorder is tested in test_collectives_process_groups.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rankscope.contract.catalog import PROCESS_GROUP_OPS
+from rankscope.process_groups import ProcessGroupReader, entry_nbytes, group_label, op_of
+
+
+@pytest.mark.parametrize("name, op", [
+    ("gloo:all_reduce", "all_reduce"), ("nccl:all_reduce", "all_reduce"), ("nccl:allreduce_coalesced", "all_reduce"),
+    ("gloo:all_gather", "all_gather"), ("nccl:_allgather_base", "all_gather"),
+    ("nccl:all_gather_into_tensor_coalesced", "all_gather"), ("nccl:_reduce_scatter_base", "reduce_scatter"),
+    ("nccl:reduce_scatter_tensor_coalesced", "reduce_scatter"), ("gloo:broadcast", "broadcast"),
+    ("gloo:barrier", "barrier"), ("nccl:all_to_all", "all_to_all"), ("nccl:alltoall_base", "all_to_all"),
+    ("nccl:send 0->1", "send"), ("nccl:recv 1<-0", "recv"), ("gloo:reduce", "reduce"), ("gloo:gather", "gather"),
+    ("gloo:scatter", "scatter"), ("gloo:monitored_barrier", "other"), ("", "other"),
+])
+def test_op_names_map_to_the_catalog(name, op):
+    assert op_of(name) == op and op in PROCESS_GROUP_OPS
+
+
+@pytest.mark.parametrize("name, desc, label", [
+    ("0", "default_pg", "default"), ("1", "mesh_dp_shard", "dp_shard"), ("3", "mesh_tp", "tp"),
+    ("5", "undefined", "pg5"), ("7", "", "pg7"), ("8", "My Pipeline/Stage 1", "my_pipeline_stage_1"),
+    ("9", "x" * 80, "x" * 32),
+])
+def test_group_labels_are_roles_or_stable_ids(name, desc, label):
+    assert group_label(name, desc) == label
+
+
+def test_message_size_follows_nccl_tests():
+    gather = {"input_sizes": [[4224]], "output_sizes": [[2, 4224]], "input_dtypes": ["Float"],
+              "output_dtypes": ["Float"]}
+    assert entry_nbytes(gather, "all_gather") == 2 * 4224 * 4
+    reduce = {"input_sizes": [[10], [3, 2]], "output_sizes": [[10], [3, 2]], "input_dtypes": ["BFloat16", "Long"]}
+    assert entry_nbytes(reduce, "all_reduce") == 10 * 2 + 6 * 8
+
+
+class Child:
+    def __init__(self):
+        self.value = 0.0
+        self.observed: list[float] = []
+
+    def inc(self, n=1.0):
+        self.value += n
+
+    def set(self, v):
+        self.value = v
+
+    def observe(self, v):
+        self.observed.append(v)
+
+
+class Sink:
+    """ProcessGroupMetrics' interface, keeping values."""
+
+    def __init__(self):
+        self.children: dict[tuple, Child] = {}
+
+    def _c(self, *key):
+        return self.children.setdefault(key, Child())
+
+    def process_group_counters(self, group, group_id, op):
+        return self._c("count", group, group_id, op), self._c("bytes", group, group_id, op)
+
+    def process_group_seq(self, group, group_id):
+        return self._c("enqueued", group, group_id), self._c("completed", group, group_id)
+
+    def process_group_in_flight(self, group, group_id, op):
+        return self._c("in_flight", group, group_id, op)
+
+    def process_group_duration(self, group, op):
+        return self._c("duration", group, op)
+
+
+class FakeRecorder:
+    """A flight recorder ring of ``size`` entries, serialised as torch 2.13's fr_trace_json."""
+
+    def __init__(self, size=2000):
+        self.size = size
+        self.entries: list[dict] = []
+        self.status: dict[str, dict[str, str]] = {}
+        self.next_record = 0
+        self.seq: dict[int, int] = {}
+
+    def collective(self, pg_id=0, name="0", desc="default_pg", op="gloo:all_reduce", numel=4, complete=True,
+                   t=1000.0, **extra):
+        seq = self.seq[pg_id] = self.seq.get(pg_id, 0) + 1
+        entry = {"collective_seq_id": seq, "input_dtypes": ["Float"], "input_sizes": [[numel]], "is_p2p": False,
+                 "op_id": seq, "output_dtypes": ["Float"], "output_sizes": [[numel]], "p2p_seq_id": 0,
+                 "pg_id": pg_id, "process_group": [name, desc], "profiling_name": op,
+                 "record_id": self.next_record, "retired": True, "state": "scheduled", "thread_id": "1",
+                 "thread_name": "python", "time_created_ns": int(t * 1e9), "time_discovered_completed_ns": 0,
+                 "time_discovered_started_ns": 0, "timeout_ms": 1800000, **extra}
+        self.next_record += 1
+        self.entries = (self.entries + [entry])[-self.size:]
+        s = self.status.setdefault(str(pg_id), {"last_completed_collective": "-1", "last_enqueued_collective": "-1",
+                                                "last_started_collective": "-1"})
+        s["last_enqueued_collective"] = str(seq)
+        if complete:
+            s["last_completed_collective"] = str(seq)
+
+    def complete(self, pg_id=0):
+        s = self.status[str(pg_id)]
+        s["last_completed_collective"] = s["last_enqueued_collective"]
+
+    def entries_json(self) -> bytes:
+        doc = {"comm_lib_version": "", "entries": self.entries, "nccl_comm_state": {}, "pg_config": {},
+               "pg_status": self.status, "version": "2.10"}
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+    def close(self):
+        pass
+
+
+def make():
+    rec = FakeRecorder()
+    source = type("Source", (), {"status": lambda self: rec.status, "entries_json": lambda self: rec.entries_json(),
+                                 "close": lambda self: None})()
+    sink, drops, errors = Sink(), [], []
+    reader = ProcessGroupReader(sink, lambda what, reason="", n=1: drops.append((what, n)), lambda: errors.append(1),
+                                source, 2, 60.0, entries_every_s=0.0, initialized=lambda: True)
+    return rec, reader, sink, drops, errors
+
+
+def test_reads_each_entry_once_across_polls():
+    rec, reader, sink, drops, errors = make()
+    for _ in range(3):
+        rec.collective(op="gloo:all_gather", numel=8)
+    reader.poll()
+    for _ in range(2):
+        rec.collective(op="gloo:all_reduce", numel=4)
+    reader.poll()
+    reader.poll()   # nothing new
+    assert sink.children[("count", "default", "0", "all_gather")].value == 3
+    assert sink.children[("bytes", "default", "0", "all_gather")].value == 3 * 8 * 4
+    assert sink.children[("count", "default", "0", "all_reduce")].value == 2
+    assert sink.children[("enqueued", "default", "0")].value == 5
+    assert sink.children[("completed", "default", "0")].value == 5
+    assert reader.entries_read == 5 and drops == [] and errors == []
+
+
+def test_entries_overwritten_in_the_ring_are_counted_as_dropped():
+    rec, reader, sink, drops, errors = make()
+    rec.size = 4
+    rec.collective()
+    reader.poll()
+    for _ in range(10):
+        rec.collective()
+    reader.poll()
+    assert sink.children[("count", "default", "0", "all_reduce")].value == 1 + 4
+    assert drops == [("flight_recorder", 6)] and errors == []
+
+
+def test_groups_beyond_the_budget_are_dropped_and_counted():
+    rec, reader, sink, drops, errors = make()   # budget: 2 groups
+    rec.collective(pg_id=0, name="0", desc="default_pg")
+    rec.collective(pg_id=1, name="1", desc="mesh_dp")
+    rec.collective(pg_id=2, name="3", desc="mesh_tp")
+    rec.collective(pg_id=2, name="3", desc="mesh_tp")
+    reader.poll()
+    assert {k[1] for k in sink.children if k[0] == "count"} == {"default", "dp"}
+    assert drops == [("process_group", 1), ("process_group", 1)]
+
+
+def test_in_flight_collective_publishes_its_enqueue_time_until_it_completes():
+    rec, reader, sink, drops, errors = make()
+    rec.collective(op="gloo:all_gather", t=100.0)
+    rec.collective(op="gloo:all_gather", complete=False, t=200.0)
+    reader.poll()
+    in_flight = sink.children[("in_flight", "default", "0", "all_gather")]
+    assert in_flight.value == 200.0
+    assert sink.children[("enqueued", "default", "0")].value == 2
+    assert sink.children[("completed", "default", "0")].value == 1
+    rec.complete()
+    reader.poll()
+    assert in_flight.value == 0.0
+
+
+def test_a_collective_stuck_across_two_status_reads_is_looked_up_at_once():
+    rec, reader, sink, drops, errors = make()
+    reader._entries_every_s = 3600.0
+    rec.collective()
+    reader.poll()                       # the first read is due (entries_every_s from 0)
+    rec.collective(op="gloo:broadcast", complete=False, t=300.0)
+    reader.poll()                       # seen in flight once: not yet read
+    assert ("in_flight", "default", "0", "broadcast") not in sink.children
+    reader.poll()                       # still in flight: read now
+    assert sink.children[("in_flight", "default", "0", "broadcast")].value == 300.0
+
+
+def test_durations_are_published_where_the_backend_gives_them():
+    rec, reader, sink, drops, errors = make()
+    rec.collective(op="nccl:all_reduce", duration_ms=2.5)
+    rec.collective(op="gloo:all_reduce")
+    reader.poll()
+    assert sink.children[("duration", "default", "all_reduce")].observed == [0.0025]
