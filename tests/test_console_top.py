@@ -19,10 +19,13 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 
+from prometheus import generate
 from tests.helpers.jobs import REPO, TrainJob, free_port, value, wait_until
+from tests.helpers.promstack import PrometheusServer
 
 FAST_STATES = {"RANKSCOPE_STUCK_AFTER_S": "5", "RANKSCOPE_FROZEN_AFTER_S": "4", "RANKSCOPE_SUSPECT_AFTER_S": "5"}
 HUNG_RANK = "2"
@@ -148,6 +151,25 @@ def test_once_prints_the_same_facts_as_plain_text(hung_job):
     assert shows_the_hang(proc.stdout), proc.stdout
     assert "hang suspect: rank 2" in proc.stdout
     assert f"run {hung_job.run_id}" in proc.stdout
+
+
+def test_from_prometheus_the_same_facts_and_the_alerts_firing(hung_job, tmp_path):
+    """Read through Prometheus (the shipped rules, fast drill thresholds): the same rows, and the
+    header lists the HangSuspect page for rank 2; exporter rows with --prometheus get its alerts too."""
+    rules_dir = tmp_path / "rules"
+    generate.main(["--override", str(REPO / "prometheus" / "fast.yaml"), "--out", str(rules_dir)])
+    rules = [rules_dir / generate.RECORDING_FILE, rules_dir / generate.ALERTS_FILE]
+    with PrometheusServer(targets=[urlparse(hung_job.url).netloc], rule_files=rules) as prom:
+        prom.wait_for(lambda: prom.query(f'ALERTS{{alertname="RankscopeHangSuspect",alertstate="firing",'
+                                         f'run="{hung_job.run_id}"}}'), timeout=60, what="the HangSuspect alert")
+        for args in (["--prometheus", prom.url, "--run", hung_job.run_id],   # rows and alerts from Prometheus
+                     ["--prometheus", prom.url, hung_job.url]):              # rows from the exporter
+            proc = subprocess.run([*rankscope_command(), "top", *args, "--once"], capture_output=True, text=True,
+                                  timeout=60, env=_env())
+            print(proc.stdout)
+            assert proc.returncode == 0, proc.stderr
+            assert shows_the_hang(proc.stdout), proc.stdout
+            assert re.search(r"alerts firing: .*RankscopeHangSuspect \(critical rank 2\)", proc.stdout), proc.stdout
 
 
 def check_one_line_error(proc: subprocess.CompletedProcess, *expected: str) -> None:

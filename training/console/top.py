@@ -17,7 +17,7 @@ import sys
 import termios
 import time
 import tty
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from rich import box
@@ -120,7 +120,7 @@ class PrometheusSource:
         samples = self.prometheus.run_series(self.run, now)
         baseline = self.prometheus.run_series(self.run, now - self.window_s)
         alerts = self.prometheus.firing_alerts(self.run, now)
-        return build_view(self.run, samples, source=self.description, baseline=baseline or None,
+        return build_view(self.run, samples, source=self.description, baseline=baseline,
                           window_s=self.window_s, alerts=alerts, taken_at=now)
 
 
@@ -217,7 +217,7 @@ def render(view: RunView | None, screen: Screen, *, color: bool, live: bool) -> 
     if view.leader_step is not None:
         header.append(f"  leader step {view.leader_step:.0f}")
     rate = "-" if view.steps_per_s is None else f"{view.steps_per_s:.2f}"
-    window = f" over {view.window_s:.0f}s" if view.window_s else " (needs a second sample)"
+    window = f" over {view.window_s:.0f}s" if view.window_s else " (one sample so far)"
     header.append(f"  {rate} steps/s{window}")
     header.append(f"  at {time.strftime('%H:%M:%S', time.localtime(view.taken_at))}")
     parts.append(header)

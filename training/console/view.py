@@ -223,9 +223,10 @@ def build_view(run: str, now: list[Series], *, source: str, baseline: list[Serie
         row.grad_norm = r.value("rankscope_grad_norm")
         row.lr = r.value("rankscope_learning_rate")
 
-        old = before.get(rank_label)
+        # A rank missing from a baseline started after it: its counters were 0 then.
+        old = before.get(rank_label, _Rank()) if baseline is not None else None
         steps_now = r.value("rankscope_steps_total")
-        steps_before = old.value("rankscope_steps_total") if old else None
+        steps_before = (old.value("rankscope_steps_total") or 0.0) if old is not None else None
         stepped = (steps_now is not None and steps_before is not None and steps_now > steps_before)
         if stepped and window_s:
             rates.append((steps_now - steps_before) / window_s)
@@ -234,8 +235,10 @@ def build_view(run: str, now: list[Series], *, source: str, baseline: list[Serie
 
         buckets_now = _buckets(r, "rankscope_step_duration_seconds")
         phases_now = r.labelled("rankscope_phase_seconds_total", "phase")
-        recent_buckets = _window(buckets_now, _buckets(old, "rankscope_step_duration_seconds") if old else None)
-        recent_phases = _window(phases_now, old.labelled("rankscope_phase_seconds_total", "phase") if old else None)
+        recent_buckets = _window(buckets_now, _buckets(old, "rankscope_step_duration_seconds")
+                                 if old is not None else None)
+        recent_phases = _window(phases_now, old.labelled("rankscope_phase_seconds_total", "phase")
+                                if old is not None else None)
         if stepped and recent_buckets is not None and recent_phases is not None:
             row.median_step_s = histogram_quantile(0.5, recent_buckets)
             row.phase_fractions = _fractions(recent_phases)
