@@ -1,0 +1,110 @@
+"""A real Lightning job with rankscope's one line: Trainer(accelerator="cpu", devices=2, strategy="ddp").
+
+    python lightning_trainer.py [--steps N] [--nan-rank R --nan-step S] [--oom-rank R --oom-step S]
+
+Lightning starts the second rank itself (its subprocess launcher), gloo on
+127.0.0.1. A small MLP on synthetic regression data whose collate takes
+COLLATE_S per batch; a checkpoint at the end of the epoch (ModelCheckpoint).
+On ``--nan-rank`` the loss of step ``--nan-step`` reads NaN (its gradient
+stays finite, so the other rank trains on); on ``--oom-rank`` step
+``--oom-step`` raises torch.OutOfMemoryError in training_step. Each rank
+writes what Lightning itself saw to $LOOP_OUT/rank<N>.json: its global_step,
+the Timer callback's training time, and its own loss per step.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.dataloader import default_collate
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Timer
+except ImportError:
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import Timer
+
+from rankscope.integrations.lightning import RankscopeCallback
+
+COLLATE_S = 0.01
+BATCH = 16
+HIDDEN = 128
+LR = 0.05
+
+
+def collate(rows):
+    time.sleep(COLLATE_S)   # decoding, augmentation...
+    return default_collate(rows)
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, nan_rank=-1, nan_step=-1, oom_rank=-1, oom_step=-1):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
+                                 nn.Linear(HIDDEN, 1))
+        self.own_loss = defaultdict(float)
+        self.faults = (nan_rank, nan_step, oom_rank, oom_step)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        nan_rank, nan_step, oom_rank, oom_step = self.faults
+        rank, step = self.trainer.global_rank, self.trainer.global_step
+        if rank == oom_rank and step == oom_step:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        if rank == nan_rank and step == nan_step:
+            # The value reads NaN; the gradient is the real loss's (the other rank trains on).
+            loss = loss + (torch.tensor(float("nan")) - loss.detach())
+        self.own_loss[step] += float(loss)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+        # Halved every 10 steps: step S trains at LR * 0.5 ** (S // 10).
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=40)
+    for fault in ("nan", "oom"):
+        p.add_argument(f"--{fault}-rank", type=int, default=-1)
+        p.add_argument(f"--{fault}-step", type=int, default=-1)
+    args = p.parse_args()
+    torch.set_num_threads(1)   # two ranks share two cores
+    pl.seed_everything(0, verbose=False)
+    n = args.steps * BATCH * 2
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 32, generator=g)
+    data = TensorDataset(x, x[:, :1] * 2 + 0.1 * torch.randn(n, 1, generator=g))
+    loader = DataLoader(data, batch_size=BATCH, collate_fn=collate, shuffle=False)
+    module = Regression(args.nan_rank, args.nan_step, args.oom_rank, args.oom_step)
+    timer = Timer()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps, max_epochs=1,
+                         callbacks=[RankscopeCallback(), timer], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0,
+                         default_root_dir=tempfile.mkdtemp(prefix="lightning-trainer-"))
+    trainer.fit(module, loader)
+    rank = trainer.global_rank
+    params = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    out = Path(os.environ["LOOP_OUT"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps({
+        "rank": rank, "global_step": trainer.global_step, "train_time": timer.time_elapsed("train"),
+        "own_loss": {str(k): v for k, v in sorted(module.own_loss.items())}, "param_bytes": params}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

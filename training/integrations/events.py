@@ -1,0 +1,154 @@
+"""Monitor steps driven by a framework's events instead of a ``with monitor.step():`` block.
+
+A framework calls its callbacks at points of its own loop; ``EventSteps``
+turns those points into the same step, phases and values a hand-written
+loop reports:
+
+* between two steps the framework first does its own work (logging,
+  evaluation, a checkpoint), then fetches the next batch. The adapters mark
+  the end of that work (``between_steps()``, on the framework's log, save
+  and evaluate events); the next step starts there, and the rest of the gap
+  becomes its ``data`` phase, as ``monitor.data()`` would have measured it.
+  Time the framework spends on its own work is outside every step, as it is
+  in the reference trainer;
+* ``switch(phase)`` closes the running phase and opens the next one;
+  time in no phase is the step's ``other``;
+* per-micro-batch losses are added up (each is already divided by the
+  accumulation count, so the sum is the step's loss) and observed with the
+  gradient norm and learning rate when the step ends.
+
+Nothing here raises into the training loop: an error is counted in
+``rankscope_telemetry_errors_total{component="step"}`` and logged once by the
+caller (``guarded``).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable, TypeVar
+
+from rankscope.contract.environment import ConfigError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+CHECKPOINT_SAVES = "checkpoint_saves_total"
+CHECKPOINT_SECONDS = "checkpoint_last_save_seconds"
+
+
+class EventSteps:
+    """One rank's open step and phase, moved along by framework events (training thread only)."""
+
+    def __init__(self, monitor: Any):
+        self.monitor = monitor
+        self.step: Any = None          # rankscope.steps.Step while a step is open
+        self.phase: Any = None         # the running rankscope.steps.Phase, or None
+        self.idle_since = time.perf_counter()
+        self.loss: Any = None
+        self.grad_norm: Any = None
+        self.lr: Any = None
+        self.saves = monitor.counter(CHECKPOINT_SAVES, "Checkpoints saved by the training framework "
+                                     "(rankscope.integrations).")
+        self.last_save = monitor.gauge(CHECKPOINT_SECONDS, "Seconds the framework's last checkpoint save took, "
+                                       "where its events tell (rankscope.integrations).")
+
+    @property
+    def open(self) -> bool:
+        return self.step is not None
+
+    def between_steps(self) -> None:
+        """The framework finished work of its own between steps (a log, an evaluation, a save)."""
+        if self.step is None:
+            self.idle_since = time.perf_counter()
+
+    def begin(self, number: int | None = None) -> None:
+        """Start a step; the time since the framework's last own work is its data wait."""
+        if self.step is not None:
+            # The framework skipped the event that ends a step (a failure it swallowed): the
+            # step did not complete, so it is not counted.
+            self.end(exc=RuntimeError("the framework started a new step before the last one ended"))
+        now = time.perf_counter()
+        self.monitor.waited_for_data(self.idle_since, now)
+        self.loss = self.grad_norm = self.lr = None
+        self.step = self.monitor.step(step=number).begin()
+
+    def waited_for_data(self, since: float) -> None:
+        """Inside a step: a micro-batch took from ``since`` until now to arrive."""
+        self.monitor.waited_for_data(since, time.perf_counter())
+
+    def switch(self, name: str | None) -> None:
+        """Close the running phase and open ``name`` (None: none, the time counts as ``other``)."""
+        if self.phase is not None:
+            self.phase.stop()
+            self.phase = None
+        if name is not None and self.step is not None:
+            self.phase = self.step.phase(name).start()
+
+    @property
+    def phase_name(self) -> str | None:
+        return self.phase.name if self.phase is not None else None
+
+    def add_loss(self, loss: Any) -> None:
+        """A micro-batch's loss, as the framework returned it (detached; already divided by the
+        number of accumulated micro-batches, so the step's loss is the sum)."""
+        if loss is not None and self.step is not None:
+            self.loss = loss if self.loss is None else self.loss + loss
+
+    def end(self, exc: BaseException | None = None) -> None:
+        """End the open step; ``exc``: the exception that cut it short (an OOM is counted)."""
+        step = self.step
+        if step is None:
+            return
+        self.switch(None)
+        self.step = None
+        try:
+            if exc is None:
+                step.observe(loss=self.loss, grad_norm=self.grad_norm, lr=self.lr)
+        finally:
+            self.loss = self.grad_norm = self.lr = None
+            step.end(exc)
+            self.idle_since = time.perf_counter()
+
+    def saved_checkpoint(self, started: float | None = None) -> None:
+        """The framework saved a checkpoint; ``started``: when the save began, if its events tell."""
+        self.saves.inc()
+        if started is not None:
+            self.last_save.set(time.perf_counter() - started)
+
+
+def guarded(method: F) -> F:
+    """A callback method that never raises into the framework's loop: an error is counted
+    (``rankscope_telemetry_errors_total{component="step"}``) and logged once. A
+    ``ConfigError`` (a mistake at start-up, such as a model DDP timing cannot read) is raised."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except ConfigError:
+            raise
+        except Exception:
+            monitor = getattr(self, "monitor", None)
+            if monitor is not None:
+                monitor.errors.error("step")
+            return None
+
+    return call  # type: ignore[return-value]
+
+
+def first_lr(optimizer: Any) -> Any:
+    """The learning rate of the optimizer's first parameter group, or None."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups:
+        return None
+    return groups[0].get("lr")
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor (a dict's, a list's or itself)."""
+    if isinstance(batch, dict):
+        batch = next(iter(batch.values()), None)
+    elif isinstance(batch, (list, tuple)):
+        batch = batch[0] if batch else None
+    shape = getattr(batch, "shape", None)
+    return int(shape[0]) if shape else 0

@@ -1,0 +1,174 @@
+"""rankscope for PyTorch Lightning: every rank's telemetry in one line.
+
+    from rankscope.integrations.lightning import RankscopeCallback
+
+    trainer = Trainer(accelerator="gpu", devices=8, strategy="ddp", callbacks=[RankscopeCallback()])
+
+The callback runs on every rank (Lightning calls callbacks on all of them)
+and drives the rank's ``Monitor`` from Lightning's hooks, one step per
+optimizer step (``trainer.global_step``):
+
+    (gap since the last batch: the batch is fetched)   -> ``data``
+    on_train_batch_start ... on_before_backward         -> ``forward`` (training_step)
+    on_before_backward ... on_after_backward            -> ``backward``
+    on_after_backward ... on_train_batch_end            -> ``optimizer`` (clipping, step)
+    on_before_optimizer_step                            -> this batch steps; the learning rate it uses
+    on_train_batch_end                                  -> this rank's loss (training_step's output); the
+                                                           step ends if the optimizer stepped
+    on_save_checkpoint                                  -> a checkpoint save
+    on_exception                                        -> the step ends with the exception (an OOM is counted)
+
+Works with ``lightning`` (``import lightning.pytorch``) or the older
+``pytorch_lightning`` package, whichever is installed (``lightning`` first).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:
+    try:
+        from pytorch_lightning import Callback
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("rankscope.integrations.lightning needs Lightning: "
+                          "pip install 'rankscope[lightning]'") from e
+
+from rankscope.contract.environment import ConfigError
+from rankscope.integrations.events import EventSteps, batch_size, first_lr, guarded
+
+__all__ = ["RankscopeCallback", "GRAD_NORM_KEYS"]
+
+# Logged metrics read as the step's gradient norm, when the LightningModule logs one:
+# ``self.log("grad_norm", ...)``, or ``self.log_dict(lightning.pytorch.utilities.grad_norm(self, 2))``.
+GRAD_NORM_KEYS = ("grad_norm", "grad_2.0_norm_total")
+
+
+class RankscopeCallback(Callback):
+    """A Lightning ``Callback`` that reports this rank's steps, phases and values through rankscope.
+
+    ``monitor``: a ``rankscope.Monitor`` to use (it stays open after fitting);
+    without one, the callback opens its own when fitting is set up and closes
+    it at the fit's teardown. ``options`` go to that ``Monitor``.
+    """
+
+    def __init__(self, monitor: Any = None, **options: Any):
+        super().__init__()
+        if monitor is not None and options:
+            raise ConfigError("RankscopeCallback: give either a monitor or Monitor options, not both")
+        self.monitor = monitor
+        self._own_monitor = monitor is None
+        self._options = options
+        self.steps: EventSteps | None = None
+        self._stepped = False          # the optimizer stepped in the current batch
+        self._batch_end = 0.0          # perf_counter at the last batch's end (a step's micro-batches)
+        self._last_grad_norm: Any = None   # the logged value last read (a tensor, read lazily)
+
+    # -- the monitor's lifetime ---------------------------------------------------
+    def setup(self, trainer, pl_module, stage):
+        if stage != "fit":
+            return
+        if self.monitor is None or (self._own_monitor and self.monitor._closed):
+            # Lightning's own launcher sets LOCAL_RANK and WORLD_SIZE but not RANK: say who
+            # this rank is as torchrun would have (variables a launcher set are kept).
+            os.environ.setdefault("RANK", str(trainer.global_rank))
+            os.environ.setdefault("WORLD_SIZE", str(trainer.world_size))
+            os.environ.setdefault("LOCAL_RANK", str(trainer.local_rank))
+            os.environ.setdefault("LOCAL_WORLD_SIZE", str(trainer.num_devices))
+            from rankscope.monitor import Monitor
+
+            self.monitor = Monitor(device=pl_module.device, **self._options)
+        self.steps = EventSteps(self.monitor)
+
+    def teardown(self, trainer, pl_module, stage):
+        if stage != "fit" or self.monitor is None:
+            return
+        if self.steps is not None:
+            self.steps.end()
+        if self._own_monitor:
+            self.monitor.close()
+
+    def on_train_start(self, trainer, pl_module):
+        if self.steps is None:
+            return
+        model = trainer.strategy.model
+        if hasattr(model, "register_comm_hook"):   # DDP: time its gradient all-reduces
+            self.monitor.watch(model)
+        self.steps.between_steps()
+
+    # -- a step ---------------------------------------------------------------------
+    @guarded
+    def on_train_epoch_start(self, trainer, pl_module):
+        if self.steps is not None:
+            self.steps.between_steps()
+
+    @guarded
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        steps = self.steps
+        if steps is None:
+            return
+        if steps.open:   # the next micro-batch of an accumulating step
+            steps.waited_for_data(self._batch_end)
+        else:
+            steps.begin(trainer.global_step)
+        self._stepped = False
+        steps.step.count(samples=batch_size(batch))
+        steps.switch("forward")
+
+    @guarded
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self.steps is not None and self.steps.open:
+            self.steps.switch("backward")
+
+    @guarded
+    def on_after_backward(self, trainer, pl_module):
+        if self.steps is not None and self.steps.open:
+            self.steps.switch("optimizer")
+
+    @guarded
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.steps is not None and self.steps.open:
+            self._stepped = True
+            self.steps.lr = first_lr(optimizer)
+
+    @guarded
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        steps = self.steps
+        if steps is None or not steps.open:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        steps.add_loss(loss.detach() if hasattr(loss, "detach") else loss)
+        if not self._stepped:   # accumulating: the step goes on with the next micro-batch
+            steps.switch(None)
+            self._batch_end = time.perf_counter()
+            return
+        steps.grad_norm = self._logged_grad_norm(trainer)
+        steps.end()
+
+    def _logged_grad_norm(self, trainer) -> Any:
+        """The gradient norm the module logged in this step, if it logs one (Lightning computes
+        none by itself). Lightning keeps a value that was not logged again: the same object as
+        the one read last is that stale entry, not this step's."""
+        metrics = trainer.callback_metrics
+        for key in GRAD_NORM_KEYS:
+            value = metrics.get(key)
+            if value is not None:
+                if value is self._last_grad_norm:
+                    return None
+                self._last_grad_norm = value
+                return value
+        return None
+
+    @guarded
+    def on_exception(self, trainer, pl_module, exception):
+        if self.steps is not None:
+            self.steps.end(exception)
+
+    # -- between steps ----------------------------------------------------------------
+    @guarded
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if self.steps is not None:
+            self.steps.saved_checkpoint()
