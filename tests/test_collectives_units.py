@@ -202,3 +202,17 @@ def test_durations_are_published_where_the_backend_gives_them():
     rec.collective(op="gloo:all_reduce")
     reader.poll()
     assert sink.children[("duration", "default", "all_reduce")].observed == [0.0025]
+
+
+def test_an_nccl_duration_written_after_the_first_read_is_still_published():
+    rec, reader, sink, drops, errors = make()
+    rec.collective(op="nccl:_allgather_base")          # not completed yet when first read
+    reader.poll()
+    assert ("duration", "default", "all_gather") not in sink.children
+    rec.entries[-1].update(duration_ms=1.5, time_discovered_completed_ns=5)
+    rec.collective(op="nccl:all_reduce", duration_ms=0.5, time_discovered_completed_ns=6)
+    reader.poll()
+    assert sink.children[("duration", "default", "all_gather")].observed == [0.0015]
+    assert sink.children[("duration", "default", "all_reduce")].observed == [0.0005]
+    assert sink.children[("count", "default", "0", "all_gather")].value == 1   # counted once
+    assert reader._pending_duration == {}

@@ -208,6 +208,7 @@ class ProcessGroupReader:
         self._last_entries = 0.0
         self._suspect: dict[str, int] = {}          # pg_id -> seq seen in flight at the last status read
         self._status: dict[str, dict[str, str]] = {}
+        self._pending_duration: dict[int, tuple[str, str]] = {}   # record_id -> (group, op) read before done
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rankscope-process-groups", daemon=True)
@@ -311,7 +312,8 @@ class ProcessGroupReader:
             return -1
         if self._last_record < 0:
             return begin
-        at = body.find(b'"record_id":%d,' % (self._last_record + 1), begin)
+        first = min(self._pending_duration, default=self._last_record + 1)
+        at = body.find(b'"record_id":%d,' % first, begin)
         if at >= 0:
             return body.rfind(_ENTRY_START, begin, at)
         last = body.rfind(b'"record_id":')
@@ -325,6 +327,7 @@ class ProcessGroupReader:
     def _count(self, entry: dict) -> None:
         record = int(entry.get("record_id", -1))
         if record <= self._last_record:
+            self._late_duration(record, entry)
             return
         if self._last_record >= 0 and record > self._last_record + 1:
             self._drop("flight_recorder", "entries overwritten in the ring before they were read",
@@ -342,11 +345,29 @@ class ProcessGroupReader:
         duration_ms = entry.get("duration_ms")
         if duration_ms is not None:
             self._m.process_group_duration(group.label, op).observe(float(duration_ms) / 1000.0)
+        elif not entry.get("time_discovered_completed_ns") and entry.get("profiling_name", "").startswith("nccl:"):
+            # NCCL's watchdog writes the duration (collective timing on) once it sees the work
+            # complete: read this entry again until then.
+            if len(self._pending_duration) >= MAX_IN_FLIGHT:
+                self._pending_duration.pop(min(self._pending_duration))
+            self._pending_duration[record] = (group.label, op)
         seq = int(entry.get("collective_seq_id", 0))
         if not entry.get("is_p2p") and seq > group.completed:
             if len(group.in_flight) >= MAX_IN_FLIGHT:   # completions not seen: keep the newest
                 del group.in_flight[min(group.in_flight)]
             group.in_flight[seq] = (op, int(entry.get("time_created_ns", 0)) / 1e9)
+
+    def _late_duration(self, record: int, entry: dict) -> None:
+        """An entry read before its work completed: its duration, once the backend wrote it."""
+        pending = self._pending_duration.get(record)
+        if pending is None:
+            return
+        duration_ms = entry.get("duration_ms")
+        if duration_ms is not None:
+            self._m.process_group_duration(*pending).observe(float(duration_ms) / 1000.0)
+            del self._pending_duration[record]
+        elif entry.get("time_discovered_completed_ns"):   # completed without one: timing is off
+            del self._pending_duration[record]
 
     def _group(self, pg_id: str, process_group: Any) -> Group | None:
         group = self.groups.get(pg_id)

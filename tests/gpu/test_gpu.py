@@ -10,6 +10,10 @@ Skipped cleanly where torch sees no CUDA device. What they prove:
    device tensors, memory sampling by the publisher) runs under
    torch.cuda.set_sync_debug_mode("error"): rankscope adds no host-device sync.
 3. NVML readings of the device through the exporter's collector are sane.
+4. FSDP2 on NCCL: the all-gathers and reduce-scatters rankscope reads from
+   torch's flight recorder equal CommDebugMode's counts for the same steps,
+   and with the group's collective timing on each has a device duration
+   (rankscope_process_group_collective_duration_seconds), with no added sync.
 """
 
 from __future__ import annotations
@@ -120,6 +124,64 @@ def test_instrumented_ddp_step_adds_no_device_sync(nccl_group, monitor):
     assert timed >= 20      # every bucket of every step timed by CUDA events
     assert m.mem_total._value.get() > 0 and m.mem_peak._value.get() > 0
     assert m.loss._value.get() > 0 and m.nonfinite["loss"]._value.get() == 0
+
+
+def test_fsdp2_counts_and_durations_from_the_flight_recorder(nccl_group, monitor):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from rankscope.process_groups import op_of
+
+    dist = nccl_group
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)).cuda()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    model = monitor.watch(fully_shard(model))
+    # Per-collective device durations in the flight recorder (docs/collectives.md: opt-in, it can cost
+    # compute/communication overlap under CUDA_DEVICE_MAX_CONNECTIONS=1).
+    dist.group.WORLD._enable_collectives_timing()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(256, 1024, device="cuda"), torch.randn(256, 1024, device="cuda")
+    reader = monitor.process_groups
+
+    def counts() -> dict[str, float]:
+        reader.poll(final=True)
+        return {op: c._value.get() for g in reader.groups.values() for op, (c, _) in g.series.items()}
+
+    torch.nn.functional.mse_loss(model(x), y).backward()   # warm-up: lazy init
+    opt.step()
+    torch.cuda.synchronize()
+    before = counts()
+    expected: dict[str, int] = {}
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(10):
+            with CommDebugMode() as cdm:
+                with monitor.step(samples=256) as step:
+                    with step.phase("forward"):
+                        loss = torch.nn.functional.mse_loss(model(x), y)
+                    with step.phase("backward"):
+                        loss.backward()
+                    with step.phase("optimizer"):
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+            for op, n in cdm.get_comm_counts().items():
+                name = op_of("cdm:" + str(op).split(".")[-1])
+                expected[name] = expected.get(name, 0) + n
+            reader.poll()   # the reader's work must not synchronise either
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    time.sleep(1.0)   # NCCL's watchdog writes durations when it sees the work done
+    after = counts()
+    seen = {op: after[op] - before.get(op, 0) for op in after if after[op] - before.get(op, 0)}
+    assert expected.get("all_gather", 0) > 0 and expected.get("reduce_scatter", 0) > 0, expected
+    assert seen == expected, (seen, expected)
+    timed = sum(sum(b.get() for b in child._buckets)
+                for child in reader._m._durations.values())
+    assert timed >= sum(expected.values()) - 2   # the last few may still await the watchdog
+    print(f"FSDP2 on NCCL, 10 steps: rankscope {seen}, CommDebugMode {expected}, {timed:.0f} durations")
 
 
 def test_nvml_readings_are_sane():
