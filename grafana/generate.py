@@ -450,6 +450,41 @@ def communication() -> dash.Dashboard:
         "Collective in flight for", "How long the collective now in flight has been running, per rank and op. "
         "In a hang, every rank but the culprit shows a rising line.", "s",
         [query(f"max by (rank, op) (rankscope_collective_in_flight_seconds{{{SEL}}})", "{{op}} rank {{rank}}")]))
+    d = d.with_row(dash.Row("Process groups (every collective, from torch's flight recorder)"))
+    d = d.with_panel(ts(
+        "Collectives per second per process group",
+        "Every collective of every process group (DDP, FSDP, tensor parallel, pipeline, user sub-groups), per rank, "
+        "group and op, as torch's flight recorder records them. group: default, a device-mesh dimension "
+        "(dp_shard, tp, ...) or pg<name>. On gloo an FSDP reduce-scatter runs, and counts, as an all_reduce.", "ops",
+        [query(f"sum by (rank, group, op) (rate(rankscope_process_group_collectives_total{{{SEL}}}[{RATE}]))",
+               "{{group}} {{op}} rank {{rank}}")]))
+    d = d.with_panel(ts(
+        "Bytes per second per process group",
+        "Message bytes per second per rank, group and op (all_gather: the gathered output; others: the input).",
+        "Bps",
+        [query(f"sum by (rank, group, op) (rate(rankscope_process_group_collective_bytes_total{{{SEL}}}[{RATE}]))",
+               "{{group}} {{op}} rank {{rank}}")]))
+    d = d.with_panel(ts(
+        "Collectives behind the group's front",
+        "Per rank and process group: the group's highest last-enqueued sequence number (over all its ranks, on "
+        "every node) minus this rank's. 0 while healthy (a few at most, momentarily); in a hang the culprit "
+        "stays behind while its peers wait (RankscopeCollectiveBehind).", "none",
+        [query(f"group:rankscope_process_group_last_enqueued_seq:max{{{RUN_SEL}}}\n"
+               f"- on (run, group, group_id) group_right ()\n"
+               f"rankscope_process_group_last_enqueued_seq{{{SEL}}}", "{{group}} ({{group_id}}) rank {{rank}}")]))
+    d = d.with_panel(ts(
+        "Waiting in a collective, per process group",
+        "How long each rank has waited in the oldest collective still in flight on each group, per op "
+        "(from the collective's enqueue time).", "s",
+        [query(f"max by (rank, group, op) (rank_group_op:rankscope_process_group_in_flight:seconds{{{SEL}}})",
+               "{{group}} {{op}} rank {{rank}}")]))
+    d = d.with_panel(ts(
+        "Collective duration p50 per process group",
+        "Median device duration per group and op, where the backend measures it: NCCL with collective timing "
+        "on. gloo records none.", "s",
+        [query(f"histogram_quantile(0.5, sum by (group, op, le) "
+               f"(rate(rankscope_process_group_collective_duration_seconds_bucket{{{SEL}}}[{RATE}])))",
+               "{{group}} {{op}}")], w=24))
     return d
 
 
