@@ -37,16 +37,19 @@ class FlightRecorder:
 def dump_flight_recorder(directory: Path, rank: int) -> Path | None:
     """Write torch's flight recorder (a pickle) for this rank; None where it is off or missing.
 
-    torch >= 2.7 records gloo and NCCL collectives alike once
-    TORCH_FR_BUFFER_SIZE (or TORCH_NCCL_TRACE_BUFFER_SIZE) is > 0; older CUDA
+    torch >= 2.7 records gloo and NCCL collectives alike while
+    TORCH_FR_BUFFER_SIZE (or TORCH_NCCL_TRACE_BUFFER_SIZE) is > 0; torch 2.13
+    keeps 2000 entries when neither is set (older releases: none). Older CUDA
     builds only have the NCCL entry point.
     """
     import torch
 
     c10d = torch._C._distributed_c10d
     dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
-    size = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or "0"
-    if dump is None or not size.isdigit() or int(size) <= 0:
+    size = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
+    if size is None:   # torch's own default: 2000 entries from 2.13 on (c10d FlightRecorder.hpp)
+        size = "2000" if _torch_at_least(torch.__version__, (2, 13)) else "0"
+    if dump is None or not size.strip().isdigit() or int(size) <= 0:
         return None
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"nccl_trace_rank_{rank}"
@@ -54,3 +57,11 @@ def dump_flight_recorder(directory: Path, rank: int) -> Path | None:
     tmp.write_bytes(dump(True, True, False))
     os.replace(tmp, path)
     return path
+
+
+def _torch_at_least(version: str, wanted: tuple[int, int]) -> bool:
+    parts = version.split("+")[0].split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) >= wanted
+    except (IndexError, ValueError):
+        return False

@@ -277,7 +277,9 @@ def _process_group_reader(monitor: Monitor, interval_s: float):
     errors = monitor.errors
     return ProcessGroupReader(ProcessGroupMetrics(monitor.metrics), errors.drop,
                               lambda: errors.error("collectives"),
-                              FlightRecorderSource(monitor.run_dir, monitor.identity.rank), max_groups, interval_s)
+                              FlightRecorderSource(monitor.run_dir, monitor.identity.rank), max_groups, interval_s,
+                              on_in_flight=FlightRecorder(monitor.run_dir, monitor.identity.rank,
+                                                          monitor.config.flight_recorder_after_s).check)
 
 
 def _cuda_event_factory(device: Any):

@@ -193,7 +193,8 @@ class ProcessGroupReader:
 
     def __init__(self, metrics: Any, drop: Callable[..., None], error: Callable[[], None], source: Any,
                  max_groups: int, interval_s: float, entries_every_s: float = ENTRIES_EVERY_S,
-                 initialized: Callable[[], bool] | None = None):
+                 initialized: Callable[[], bool] | None = None,
+                 on_in_flight: Callable[[float], None] | None = None):
         self._m = metrics
         self._drop = drop
         self._error = error
@@ -202,6 +203,7 @@ class ProcessGroupReader:
         self._interval_s = interval_s
         self._entries_every_s = entries_every_s
         self._initialized = initialized or _dist_initialized
+        self._on_in_flight = on_in_flight   # called with the oldest enqueue time in flight (flight-recorder dump)
         self.groups: dict[str, Group] = {}          # pg_id -> Group
         self._refused: set[str] = set()             # pg_ids over the budget
         self._last_record = -1                      # record_id of the last entry counted
@@ -209,6 +211,7 @@ class ProcessGroupReader:
         self._suspect: dict[str, int] = {}          # pg_id -> seq seen in flight at the last status read
         self._status: dict[str, dict[str, str]] = {}
         self._pending_duration: dict[int, tuple[str, str]] = {}   # record_id -> (group, op) read before done
+        self._warned_off = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rankscope-process-groups", daemon=True)
@@ -240,16 +243,28 @@ class ProcessGroupReader:
             if not self._initialized():
                 return
             status = self._status = self._source.status()
+            if not status:
+                self._warn_if_recorder_off()
             stuck = self._note_status(status)
             now = time.monotonic()
             if final or stuck or now - self._last_entries >= self._entries_every_s:
                 self._last_entries = now
-                self._read_entries()
+                try:   # without entries the sequence numbers are still published
+                    self._read_entries()
+                except Exception:
+                    self._error()
             self._publish()
         except Exception:
             self._error()
         finally:
             self._lock.release()
+
+    def _warn_if_recorder_off(self) -> None:
+        size = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
+        if size is not None and size.strip() == "0" and not self._warned_off:
+            self._warned_off = True
+            log.warning("rankscope: torch's flight recorder is off (TORCH_FR_BUFFER_SIZE=0): the collectives of "
+                        "process groups other than DDP's and monitor.collective()'s are not seen")
 
     # -- status: sequence numbers ------------------------------------------------
     def _note_status(self, status: dict[str, dict[str, str]]) -> bool:
@@ -395,6 +410,7 @@ class ProcessGroupReader:
 
     # -- publish ------------------------------------------------------------------
     def _publish(self) -> None:
+        oldest_any = 0.0
         for group in self.groups.values():
             enqueued_child, completed_child = group.seq_children
             if group.enqueued >= 0:
@@ -406,6 +422,8 @@ class ProcessGroupReader:
             for op, started in group.in_flight.values():
                 if op not in oldest or started < oldest[op]:
                     oldest[op] = started
+                if started and (not oldest_any or started < oldest_any):
+                    oldest_any = started
             for op in set(oldest) | set(group.published_in_flight):
                 since = oldest.get(op, 0.0)
                 if group.published_in_flight.get(op) != since:
@@ -414,6 +432,8 @@ class ProcessGroupReader:
                         group.published_in_flight[op] = since
                     else:
                         group.published_in_flight.pop(op, None)
+        if oldest_any and self._on_in_flight is not None:
+            self._on_in_flight(oldest_any)
 
 
 def _dist_initialized() -> bool:
