@@ -10,6 +10,7 @@ A bad URL or an unknown run is one error line and exit 2.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shlex
@@ -31,6 +32,7 @@ FAST_STATES = {"RANKSCOPE_STUCK_AFTER_S": "5", "RANKSCOPE_FROZEN_AFTER_S": "4", 
 HUNG_RANK = "2"
 WAITING_RANKS = ("0", "1")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+DOCS_TOP_IMAGE = REPO / "docs" / "images" / "top.png"
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (tests/run.sh installs it)")
 
@@ -170,6 +172,38 @@ def test_from_prometheus_the_same_facts_and_the_alerts_firing(hung_job, tmp_path
             assert proc.returncode == 0, proc.stderr
             assert shows_the_hang(proc.stdout), proc.stdout
             assert re.search(r"alerts firing: .*RankscopeHangSuspect \(critical rank 2\)", proc.stdout), proc.stdout
+        if os.environ.get("RANKSCOPE_UPDATE_DOCS_IMAGES") == "1":
+            refresh_docs_image(hung_job, prom, tmp_path)
+
+
+def refresh_docs_image(job: TrainJob, prom: PrometheusServer, tmp_path: Path) -> None:
+    """docs/images/top.png: the live screen of this hang as the terminal shows it (tmux capture with
+    colours -> rich's SVG export -> Chromium screenshot, cropped)."""
+    from PIL import Image, ImageOps
+    from rich.console import Console
+    from rich.text import Text
+
+    width = 160
+    tmux = Tmux([*rankscope_command(), "top", job.url, "--prometheus", prom.url], env=_env(), width=width, height=24)
+    try:
+        wait_until(lambda: "steps/s over" in tmux.screen(), timeout=20, what="a refresh with a window")
+        ansi = tmux.screen(colors=True).rstrip()
+    finally:
+        tmux.close()
+    console = Console(record=True, width=width, file=io.StringIO(), color_system="truecolor", force_terminal=True)
+    for line in ansi.splitlines():
+        console.print(Text.from_ansi(line), overflow="crop", no_wrap=True)
+    svg = tmp_path / "top.svg"
+    console.save_svg(str(svg), title="rankscope top: rank 2 hung before the all-reduce of step 30")
+    shot = tmp_path / "top.png"
+    subprocess.run([shutil.which("chromium"), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    "--host-resolver-rules=MAP * ~NOTFOUND", "--window-size=1700,600", f"--screenshot={shot}",
+                    svg.as_uri()], capture_output=True, timeout=120, check=True)
+    page = Image.open(shot).convert("RGB")
+    box = ImageOps.invert(page).getbbox()
+    DOCS_TOP_IMAGE.parent.mkdir(parents=True, exist_ok=True)
+    page.crop((max(box[0] - 10, 0), max(box[1] - 10, 0), min(box[2] + 10, page.width),
+               min(box[3] + 10, page.height))).save(DOCS_TOP_IMAGE, optimize=True)
 
 
 def check_one_line_error(proc: subprocess.CompletedProcess, *expected: str) -> None:

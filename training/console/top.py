@@ -264,7 +264,7 @@ def render(view: RunView | None, screen: Screen, *, color: bool, live: bool) -> 
             bar.append("*")
         lag = "-" if row.lag is None else f"{row.lag:.0f}"
         collective = Text(row.collective or "-", style="yellow" if (color and row.collective) else "")
-        hang = Text(SUSPECT_MARK if row.suspect else "", style="bold white on red" if color else "")
+        hang = Text(SUSPECT_MARK, style="bold white on red" if color else "") if row.suspect else Text("")
         table.add_row(str(row.rank), row.node, state, "-" if row.step is None else f"{row.step:.0f}", lag,
                       _seconds(row.last_step_s), _seconds(row.median_step_s), bar, _number(row.loss),
                       _number(row.grad_norm), _memory(row), collective,
