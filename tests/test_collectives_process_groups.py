@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import json
 import re
+import time
 
 import pytest
 import yaml
@@ -155,3 +156,20 @@ def test_hang_on_node_b_pages_naming_its_rank_node_group_and_op(mode, fast_rules
     # Pending within 2 scrapes (+ 1 rule evaluation) of the crossing; firing `for:` later.
     assert latency <= 2 * SCRAPE_S + SCRAPE_S, latency
     assert others == [], [o["labels"] for o in others]
+
+
+def test_ddp_hang_pages_hang_suspect_and_collective_behind_stays_quiet(fast_rules):
+    """DDP's all-reduces are in the flight recorder too: the same hang is seen by both rules,
+    and only HangSuspect, the rank-state suspect, pages (one page per hang)."""
+    with TrainJob(nproc=2, steps=2000, extra_args=["--step-delay", "0.05", "--hang-at", "30"]) as job, \
+            PrometheusServer(targets=[f"127.0.0.1:{job.port}"], rule_files=fast_rules) as prom:
+        wait_until(lambda: any(a["labels"]["alertname"] == "RankscopeHangSuspect" and a["state"] == "firing"
+                               for a in prom.alerts()), timeout=120, what="HangSuspect firing")
+        # The sequence-number view of the same hang holds (rank 1 is behind) ...
+        behind = wait_until(lambda: prom.query(f'rank_group:rankscope_process_group_seq:behind{{run="{job.run_id}"}}'),
+                            timeout=30, what="rank 1 behind its group")
+        assert {r["metric"]["rank"] for r in behind} == {"1"}
+        time.sleep(2 * SCRAPE_S + float(FAST["for"]["RankscopeCollectiveBehind"][:-1]))
+        # ... but CollectiveBehind was never even pending.
+        assert prom.query(f'max_over_time(ALERTS{{run="{job.run_id}",alertname="RankscopeCollectiveBehind"}}[10m])') \
+            == []
