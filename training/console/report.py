@@ -449,7 +449,8 @@ def resolve_window(p: Prometheus, run: str, start: str | None, end: str | None, 
     if not first or not last:
         known = p.label_values("run", "rankscope_rank_info")
         shown = ", ".join(known[-10:]) if known else "none"
-        raise SourceError(f"run {run!r} not found in {p.url} in the {window} before {_utc(end_at)} "
+        searched = end_at - (lookback_s if not start else max(end_at - parse_time(start, now), 1.0))
+        raise SourceError(f"run {run!r} not found in {p.url} between {_utc(searched)} and {_utc(end_at)} "
                           f"(runs it has: {shown})")
     margin = 2 * p.scrape_interval()
     begin = parse_time(start, now) if start else max(first[0].value - margin, end_at - lookback_s)
