@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.helpers.adapter_jobs import PagedJob, render_fast_rules
+from tests.helpers.adapter_jobs import PagedJob, final_values, render_fast_rules
 from tests.helpers.userjob import UserJob
 
 STEPS = 40
@@ -58,13 +58,7 @@ def _oom_job(tmp) -> Run:
     with UserJob("hf_trainer.py", "--steps", "10", "--oom-rank", FAULT_RANK, "--oom-step", OOM_STEP, nproc=2,
                  tmp_path=tmp, env=ENV, name="hf-oom") as job:
         rc = job.run(timeout=180, check=False)
-        samples = job.scrape()
-        final = {}
-        for s in samples:
-            if s.labels.get("run") == job.run_id:
-                extra = [v for k, v in s.labels.items() if k not in ("run", "rank", "local_rank", "node")]
-                final[(s.name, s.labels["rank"], extra[0] if len(extra) == 1 else "")] = s.value
-        return Run({}, final, returncode=rc)
+        return Run({}, final_values(job), returncode=rc)
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +102,8 @@ def test_phases_sum_to_the_step_time_and_step_time_matches_the_trainers(run):
         assert sum(phases.values()) == pytest.approx(steps_s, rel=1e-6, abs=1e-6), phases
         assert phases["data"] >= STEPS * ACCUMULATE * COLLATE_S, phases   # every batch's collate
         assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0, phases
-        assert value(run, "rankscope_user_checkpoint_saves_total", rank) == 1
-        save_s = value(run, "rankscope_user_checkpoint_last_save_seconds", rank)
+        assert value(run, "rankscope_user_checkpoint_save_seconds_count", rank) == 1
+        save_s = value(run, "rankscope_user_checkpoint_save_seconds_sum", rank)
         runtime = run.results[int(rank)]["train_runtime"]
         assert steps_s + save_s == pytest.approx(runtime, rel=0.05), (steps_s, save_s, runtime)
 

@@ -77,14 +77,7 @@ class PagedJob:
             self._stack.pop().__exit__(*exc)
 
     def final_values(self) -> dict[tuple[str, str, str], float]:
-        """(metric name, rank, the one extra label's value or "") -> value, as the exporter serves them."""
-        out = {}
-        for s in self.job.scrape():
-            if s.labels.get("run") != self.job.run_id:
-                continue
-            extra = [v for k, v in s.labels.items() if k not in ("run", "rank", "local_rank", "node")]
-            out[(s.name, s.labels.get("rank", ""), extra[0] if len(extra) == 1 else "")] = s.value
-        return out
+        return final_values(self.job)
 
     def wait_for_page(self, alertname: str, rank: str, timeout: float = 60.0) -> Delivery:
         def is_page(d: Delivery) -> bool:
@@ -97,3 +90,14 @@ class PagedJob:
         """Every firing ``alertname`` delivered so far for the job's run."""
         return [a for d in self.hook.snapshot() for a in firing_alerts(d, alertname)
                 if a["labels"].get("run") == self.job.run_id]
+
+
+def final_values(job: UserJob) -> dict[tuple[str, str, str], float]:
+    """(metric name, rank, the one extra label's value or "") -> value of the job's run, as its exporter serves them."""
+    out = {}
+    for s in job.scrape():
+        if s.labels.get("run") != job.run_id:
+            continue
+        extra = [v for k, v in s.labels.items() if k not in ("run", "rank", "local_rank", "node")]
+        out[(s.name, s.labels.get("rank", ""), extra[0] if len(extra) == 1 else "")] = s.value
+    return out

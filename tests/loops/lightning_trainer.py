@@ -4,12 +4,13 @@
 
 Lightning starts the second rank itself (its subprocess launcher), gloo on
 127.0.0.1. A small MLP on synthetic regression data whose collate takes
-COLLATE_S per batch; a checkpoint at the end of the epoch (ModelCheckpoint).
+COLLATE_S per batch; with ``--checkpoint-every N`` a checkpoint every N steps.
 On ``--nan-rank`` the loss of step ``--nan-step`` reads NaN (its gradient
 stays finite, so the other rank trains on); on ``--oom-rank`` step
 ``--oom-step`` raises torch.OutOfMemoryError in training_step. Each rank
 writes what Lightning itself saw to $LOOP_OUT/rank<N>.json: its global_step,
-the Timer callback's training time, and its own loss per step.
+the Timer callback's training time, its own loss and the gradient norm it
+logged (Lightning's grad_norm utility) per step.
 """
 
 import argparse
@@ -29,16 +30,18 @@ from torch.utils.data.dataloader import default_collate
 
 try:
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Timer
+    from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+    from lightning.pytorch.utilities import grad_norm
 except ImportError:
     import pytorch_lightning as pl
-    from pytorch_lightning.callbacks import Timer
+    from pytorch_lightning.callbacks import ModelCheckpoint, Timer
+    from pytorch_lightning.utilities import grad_norm
 
 from rankscope.integrations.lightning import RankscopeCallback
 
 COLLATE_S = 0.01
 BATCH = 16
-HIDDEN = 128
+HIDDEN = 256
 LR = 0.05
 
 
@@ -53,6 +56,7 @@ class Regression(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(32, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
                                  nn.Linear(HIDDEN, 1))
         self.own_loss = defaultdict(float)
+        self.own_grad_norm = {}
         self.faults = (nan_rank, nan_step, oom_rank, oom_step)
 
     def training_step(self, batch, batch_idx):
@@ -68,6 +72,12 @@ class Regression(pl.LightningModule):
         self.own_loss[step] += float(loss)
         return loss
 
+    def on_before_optimizer_step(self, optimizer):
+        # Lightning's recipe for logging gradient norms; rankscope reads the total.
+        norms = grad_norm(self, norm_type=2)
+        self.own_grad_norm[self.trainer.global_step] = float(norms["grad_2.0_norm_total"])
+        self.log_dict(norms)
+
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
         # Halved every 10 steps: step S trains at LR * 0.5 ** (S // 10).
@@ -78,6 +88,7 @@ class Regression(pl.LightningModule):
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="a checkpoint every N steps")
     for fault in ("nan", "oom"):
         p.add_argument(f"--{fault}-rank", type=int, default=-1)
         p.add_argument(f"--{fault}-step", type=int, default=-1)
@@ -91,9 +102,13 @@ def main() -> int:
     loader = DataLoader(data, batch_size=BATCH, collate_fn=collate, shuffle=False)
     module = Regression(args.nan_rank, args.nan_step, args.oom_rank, args.oom_step)
     timer = Timer()
+    callbacks = [RankscopeCallback(), timer]
+    if args.checkpoint_every:
+        callbacks.append(ModelCheckpoint(every_n_train_steps=args.checkpoint_every, save_top_k=-1))
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps, max_epochs=1,
-                         callbacks=[RankscopeCallback(), timer], logger=False, enable_progress_bar=False,
+                         callbacks=callbacks, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0,
+                         enable_checkpointing=bool(args.checkpoint_every),
                          default_root_dir=tempfile.mkdtemp(prefix="lightning-trainer-"))
     trainer.fit(module, loader)
     rank = trainer.global_rank
@@ -102,7 +117,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "global_step": trainer.global_step, "train_time": timer.time_elapsed("train"),
-        "own_loss": {str(k): v for k, v in sorted(module.own_loss.items())}, "param_bytes": params}))
+        "own_loss": {str(k): v for k, v in sorted(module.own_loss.items())}, "param_bytes": params,
+        "own_grad_norm": {str(k): v for k, v in sorted(module.own_grad_norm.items())}}))
     return 0
 
 

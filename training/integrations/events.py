@@ -32,8 +32,7 @@ from rankscope.contract.environment import ConfigError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-CHECKPOINT_SAVES = "checkpoint_saves_total"
-CHECKPOINT_SECONDS = "checkpoint_last_save_seconds"
+CHECKPOINT_SECONDS = "checkpoint_save_seconds"   # rankscope_user_checkpoint_save_seconds_{count,sum,bucket}
 
 
 class EventSteps:
@@ -47,10 +46,9 @@ class EventSteps:
         self.loss: Any = None
         self.grad_norm: Any = None
         self.lr: Any = None
-        self.saves = monitor.counter(CHECKPOINT_SAVES, "Checkpoints saved by the training framework "
-                                     "(rankscope.integrations).")
-        self.last_save = monitor.gauge(CHECKPOINT_SECONDS, "Seconds the framework's last checkpoint save took, "
-                                       "where its events tell (rankscope.integrations).")
+        self.saving_since = 0.0        # perf_counter at a checkpoint save's start whose end no event marks yet
+        self.saves = monitor.histogram(CHECKPOINT_SECONDS, "Checkpoint saves by the training framework and the "
+                                       "seconds each took, between steps (rankscope.integrations).")
 
     @property
     def open(self) -> bool:
@@ -60,6 +58,9 @@ class EventSteps:
         """The framework finished work of its own between steps (a log, an evaluation, a save)."""
         if self.step is None:
             self.idle_since = time.perf_counter()
+            if self.saving_since:
+                self.saves.observe(self.idle_since - self.saving_since)
+                self.saving_since = 0.0
 
     def begin(self, number: int | None = None) -> None:
         """Start a step; the time since the framework's last own work is its data wait."""
@@ -67,6 +68,10 @@ class EventSteps:
             # The framework skipped the event that ends a step (a failure it swallowed): the
             # step did not complete, so it is not counted.
             self.end(exc=RuntimeError("the framework started a new step before the last one ended"))
+        if self.saving_since:
+            # A save whose end no event marked: its time and the batch fetch after it are not
+            # told apart, and the save takes both (a checkpoint is never counted as data wait).
+            self.between_steps()
         now = time.perf_counter()
         self.monitor.waited_for_data(self.idle_since, now)
         self.loss = self.grad_norm = self.lr = None
@@ -109,11 +114,17 @@ class EventSteps:
             step.end(exc)
             self.idle_since = time.perf_counter()
 
-    def saved_checkpoint(self, started: float | None = None) -> None:
-        """The framework saved a checkpoint; ``started``: when the save began, if its events tell."""
-        self.saves.inc()
-        if started is not None:
-            self.last_save.set(time.perf_counter() - started)
+    def checkpoint_saved(self, started: float) -> None:
+        """The framework has just finished a checkpoint save that began at ``started`` (perf_counter)."""
+        if self.step is None:
+            self.saves.observe(time.perf_counter() - started)
+            self.between_steps()
+
+    def checkpoint_saving(self) -> None:
+        """The framework begins a checkpoint save; its end is the next event (the next step's start,
+        or the end of training)."""
+        if self.step is None and not self.saving_since:
+            self.saving_since = time.perf_counter()
 
 
 def guarded(method: F) -> F:

@@ -196,10 +196,8 @@ class RankscopeCallback(TrainerCallback):
     @guarded
     def on_save(self, args, state, control, **kwargs):
         # The save began after the Trainer's last event (the step's end, a log or an evaluation).
-        steps = self.steps
-        if steps is not None and not steps.open:
-            steps.saved_checkpoint(started=steps.idle_since)
-            steps.between_steps()
+        if self.steps is not None:
+            self.steps.checkpoint_saved(started=self.steps.idle_since)
 
 
 def instrument(trainer: Any) -> Any:

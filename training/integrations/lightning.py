@@ -170,5 +170,12 @@ class RankscopeCallback(Callback):
     # -- between steps ----------------------------------------------------------------
     @guarded
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        # Lightning calls this as it assembles the checkpoint, before writing it; no hook marks the
+        # write's end, so the save lasts until the next step starts (or training ends).
         if self.steps is not None:
-            self.steps.saved_checkpoint()
+            self.steps.checkpoint_saving()
+
+    @guarded
+    def on_train_end(self, trainer, pl_module):
+        if self.steps is not None:
+            self.steps.between_steps()
