@@ -32,6 +32,7 @@ FAST_FILES = frozenset({
     "test_catalog.py",
     "test_collectives_units.py",
     "test_dashboards.py",
+    "test_integrations_api.py",
     "test_deploy.py",
     "test_monitor_api.py",
     "test_nvml.py",

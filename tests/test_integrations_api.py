@@ -1,0 +1,192 @@
+"""Steps driven by events (what the framework adapters use), in process, and the adapters'
+import rules. Real Monitors writing metric files under tmp_path, read back as the node
+exporter reads them; no framework Trainer runs here (tests/test_integrations_hf.py and
+tests/test_integrations_lightning.py run real ones).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from rankscope import Monitor
+from rankscope.integrations.events import EventSteps
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
+               "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture
+def monitor(tmp_path, monkeypatch):
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    m = Monitor(exporter="off", metrics_dir=tmp_path, run="events", publish_interval_s=60)
+    yield m
+    m.close()
+
+
+def read_run(run_dir) -> dict[tuple, float]:
+    """(name, extra label values...) -> value, merged from a rank's metric files."""
+    files = [str(p) for p in run_dir.glob("*.db")]
+    out = {}
+    for family in MultiProcessCollector.merge(files, accumulate=True):
+        for s in family.samples:
+            extra = tuple(v for k, v in sorted(s.labels.items()) if k not in ("run", "rank", "local_rank", "node"))
+            out[(s.name, *extra)] = s.value
+    return out
+
+
+def published(m: Monitor) -> dict[tuple, float]:
+    m.publisher.publish()
+    return read_run(m.run_dir)
+
+
+def busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_begin_end_and_phase_start_stop_count_as_a_with_block_does(monitor):
+    t0 = time.perf_counter()
+    time.sleep(0.02)
+    monitor.waited_for_data(t0, time.perf_counter())      # a batch fetched before the step
+    step = monitor.step(step=7).begin()
+    step.count(samples=4, tokens=128)
+    forward = step.phase("forward").start()
+    busy(0.01)
+    forward.stop()
+    step.count(samples=4, tokens=128)                      # a second micro-batch
+    step.observe(loss=torch.tensor(2.5), lr=0.1)
+    step.end()
+    wall = time.perf_counter() - t0
+    got = published(monitor)
+    assert got[("rankscope_steps_total",)] == 1 and got[("rankscope_step",)] == 7
+    assert got[("rankscope_samples_total",)] == 8 and got[("rankscope_tokens_total",)] == 256
+    duration = got[("rankscope_step_duration_seconds_sum",)]
+    assert 0.03 <= duration <= wall                         # the step began when its batch's fetch did
+    assert got[("rankscope_phase_seconds_total", "data")] >= 0.02
+    assert got[("rankscope_phase_seconds_total", "forward")] >= 0.01
+    phases = sum(v for k, v in got.items() if k[0] == "rankscope_phase_seconds_total")
+    assert phases == pytest.approx(duration, rel=1e-9)
+    assert got[("rankscope_loss",)] == 2.5 and got[("rankscope_learning_rate",)] == 0.1
+    step.end()                                              # a second end() does nothing
+    assert published(monitor)[("rankscope_steps_total",)] == 1
+
+
+def test_a_step_ended_by_an_oom_is_counted_as_one_not_as_a_completed_step(monitor):
+    step = monitor.step().begin()
+    step.end(torch.OutOfMemoryError("CUDA out of memory"))
+    got = published(monitor)
+    assert got[("rankscope_oom_total",)] == 1
+    assert got[("rankscope_steps_total",)] == 0
+
+
+def test_event_steps_add_micro_batch_losses_and_keep_saves_out_of_steps(monitor):
+    steps = EventSteps(monitor)
+    steps.begin(0)
+    for loss in (torch.tensor(1.5), torch.tensor(2.0)):    # two micro-batches, each already / 2
+        steps.switch("forward")
+        steps.switch("backward")
+        steps.add_loss(loss)
+    steps.switch("optimizer")
+    steps.grad_norm, steps.lr = torch.tensor(3.0), 0.01
+    steps.end()
+    saving = time.perf_counter()
+    time.sleep(0.05)                                        # the framework writes a checkpoint
+    steps.checkpoint_saved(started=saving)
+    steps.begin(1)
+    steps.end()
+    got = published(monitor)
+    assert got[("rankscope_steps_total",)] == 2
+    assert got[("rankscope_loss",)] == 3.5 and got[("rankscope_grad_norm",)] == 3.0
+    assert got[("rankscope_user_checkpoint_save_seconds_count",)] == 1
+    assert got[("rankscope_user_checkpoint_save_seconds_sum",)] >= 0.05
+    assert got[("rankscope_step_duration_seconds_sum",)] < 0.05   # the save is in no step
+    assert got[("rankscope_phase_seconds_total", "data")] < 0.05
+
+
+def test_a_save_whose_end_no_event_marks_lasts_until_the_next_step(monitor):
+    steps = EventSteps(monitor)
+    steps.checkpoint_saving()
+    time.sleep(0.05)
+    steps.begin(0)
+    steps.end()
+    got = published(monitor)
+    assert got[("rankscope_user_checkpoint_save_seconds_sum",)] >= 0.05
+    assert got[("rankscope_phase_seconds_total", "data")] < 0.05   # never counted as data wait
+
+
+def test_a_new_step_before_the_last_one_ended_does_not_count_the_unfinished_one(monitor):
+    steps = EventSteps(monitor)
+    steps.begin(0)
+    steps.begin(1)
+    steps.end()
+    assert published(monitor)[("rankscope_steps_total",)] == 1
+
+
+def test_closing_with_a_step_open_during_an_oom_counts_it(tmp_path, monkeypatch):
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    m = Monitor(exporter="off", metrics_dir=tmp_path, run="close")
+    m.step().begin()
+    with pytest.raises(torch.OutOfMemoryError):
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        finally:
+            m.close()
+    got = read_run(m.run_dir)
+    assert got[("rankscope_oom_total",)] == 1 and got[("rankscope_steps_total",)] == 0
+
+
+UNCAUGHT_IN_OPEN_STEP = """
+import sys, torch
+from rankscope import Monitor
+m = Monitor(exporter="off", metrics_dir=sys.argv[1], run="uncaught")
+m.step().begin()          # a framework's step, cut short by an OOM nobody catches
+raise torch.OutOfMemoryError("CUDA out of memory")
+"""
+
+
+@pytest.mark.integration   # a whole interpreter with torch and a Monitor: seconds, kept out of the fast tier
+def test_an_uncaught_oom_in_an_open_step_is_counted_at_exit(tmp_path):
+    """The adapters' steps have no with-block: the exit hook ends the open step with the
+    exception that ends the interpreter, so the OOM still counts."""
+    from rankscope.contract.rundir import load_registrations
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and k != "PROMETHEUS_MULTIPROC_DIR"}
+    proc = subprocess.run([sys.executable, "-c", UNCAUGHT_IN_OPEN_STEP, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    (reg,) = load_registrations(tmp_path / "uncaught")
+    assert reg.exception == "OutOfMemoryError"
+    assert read_run(tmp_path / "uncaught")[("rankscope_oom_total",)] == 1
+
+
+IMPORTS = """
+import sys
+import rankscope, rankscope.integrations, rankscope.integrations.events
+frameworks = [m for m in ("transformers", "lightning", "pytorch_lightning", "accelerate") if m in sys.modules]
+assert not frameworks, frameworks
+for name in ("transformers", "lightning", "pytorch_lightning"):
+    sys.modules[name] = None        # as if not installed
+for module, extra in (("hf", "hf"), ("lightning", "lightning")):
+    try:
+        __import__("rankscope.integrations." + module)
+    except ImportError as e:
+        assert f"rankscope[{extra}]" in str(e), e
+    else:
+        raise AssertionError(module + " imported without its framework")
+print("ok")
+"""
+
+
+def test_the_core_imports_no_framework_and_a_missing_one_names_its_extra():
+    proc = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
