@@ -343,9 +343,15 @@ ALERTS: tuple[Alert, ...] = (
           "Loss rising in run {{ $labels.run }} with a flat learning rate",
           "In " + WHO + ", the loss rose by {{ printf `%.3g` $value }} over the last <<loss_trend_window>> "
           "(linear fit) while the learning rate stayed flat."),
+    # A gradient-norm explosion in a run whose loss spiked in the same window is
+    # the spike's echo (DDP averages one rank's spiked gradients into every
+    # rank's): LossSpikes judges it. The explosion counts on the same step as
+    # the spike, before a third spike could fire LossSpikes and inhibit it.
     Alert("RankscopeGradNormExplosion",
-          new_events("rankscope_grad_norm_spikes_total{SEL}", "<<grad_explosion_window>>",
-                     "<<grad_explosion_count>>"),
+          "(\n  " + _indent(new_events("rankscope_grad_norm_spikes_total{SEL}", "<<grad_explosion_window>>",
+                                        "<<grad_explosion_count>>")) + "\n)\n"
+          "unless on (run) (\n  "
+          + _indent(new_events("rankscope_loss_spikes_total{SEL}", "<<grad_explosion_window>>")) + "\n)",
           "warning",
           "Gradient-norm explosion in run {{ $labels.run }} (rank {{ $labels.rank }})",
           "In " + WHO + ", {{ $value }} step(s) in the last <<grad_explosion_window>> had a gradient norm "
