@@ -153,6 +153,11 @@ def test_once_prints_the_same_facts_as_plain_text(hung_job):
     assert shows_the_hang(proc.stdout), proc.stdout
     assert "hang suspect: rank 2" in proc.stdout
     assert f"run {hung_job.run_id}" in proc.stdout
+    # No URL: this node's exporter, on the port the ranks were given.
+    proc = subprocess.run([*rankscope_command(), "top", "--once"], capture_output=True, text=True, timeout=60,
+                          env={**_env(), "RANKSCOPE_METRICS_PORT": str(hung_job.port)})
+    assert proc.returncode == 0, proc.stderr
+    assert shows_the_hang(proc.stdout) and f"run {hung_job.run_id}" in proc.stdout, proc.stdout
 
 
 def test_from_prometheus_the_same_facts_and_the_alerts_firing(hung_job, tmp_path):

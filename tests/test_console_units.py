@@ -12,7 +12,7 @@ import math
 import pytest
 
 from rankscope.console.report import parse_time, straggler_ranking
-from rankscope.console.sources import Series, SourceError, exporter_url, parse_duration
+from rankscope.console.sources import Series, SourceError, exporter_url, local_exporter_url, parse_duration
 from rankscope.console.top import PHASE_BAR_WIDTH, Screen, phase_bar, render, rows_shown
 from rankscope.console.view import build_view, choose_run, histogram_quantile
 
@@ -137,3 +137,8 @@ def test_times_durations_and_urls():
     assert exporter_url("node1:9400") == "http://node1:9400/metrics"
     assert exporter_url("https://node1:9400/") == "https://node1:9400/metrics"
     assert exporter_url("http://node1:9400/metrics") == "http://node1:9400/metrics"
+    assert local_exporter_url({}) == "http://127.0.0.1:9400/metrics"
+    assert local_exporter_url({"RANKSCOPE_METRICS_PORT": "9555", "RANKSCOPE_METRICS_ADDR": "0.0.0.0"}) \
+        == "http://127.0.0.1:9555/metrics"
+    with pytest.raises(SourceError, match="RANKSCOPE_METRICS_PORT"):
+        local_exporter_url({"RANKSCOPE_METRICS_PORT": "http"})

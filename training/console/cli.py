@@ -7,6 +7,7 @@ A source that cannot be read, a run that does not exist or a bad option is one
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -24,8 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "loss, memory, the collective in flight and the hang suspect. Keys: t step time, "
                                      "l step lag, c comm wait, r rank (sort); n next node, a all nodes; q quit.")
     top.add_argument("exporters", nargs="*", metavar="EXPORTER_URL",
-                     help=f"node exporters to read (host:port or URL; default {DEFAULT_EXPORTER} unless --prometheus "
-                          "is given)")
+                     help=f"node exporters to read (host:port or URL; default: this node's, {DEFAULT_EXPORTER} unless "
+                          "RANKSCOPE_METRICS_ADDR / RANKSCOPE_METRICS_PORT say otherwise; none with --prometheus)")
     top.add_argument("--prometheus", metavar="URL",
                      help="read the run from Prometheus instead; with exporter URLs too, only the alerts come from it")
     top.add_argument("--run", help="run to show (default: the most recently active live run)")
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _top(args: argparse.Namespace) -> int:
     from rankscope.console import top
-    from rankscope.console.sources import Prometheus, exporter_url
+    from rankscope.console.sources import Prometheus, exporter_url, local_exporter_url
 
     if args.interval <= 0 or args.window <= 0:
         raise SourceError("--interval and --window must be > 0")
@@ -79,7 +80,7 @@ def _top(args: argparse.Namespace) -> int:
     if prometheus is not None:
         prometheus.check()
     if args.exporters or prometheus is None:
-        urls = [exporter_url(u) for u in args.exporters] or [DEFAULT_EXPORTER]
+        urls = [exporter_url(u) for u in args.exporters] or [local_exporter_url(os.environ)]
         source = top.ExporterSource(urls, args.run, args.window, alerts=prometheus)
     else:
         source = top.PrometheusSource(prometheus, args.run, args.window)

@@ -17,14 +17,15 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable, Mapping, NamedTuple
 
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from rankscope.contract.environment import DEFAULT_ADDR, DEFAULT_PORT
+from rankscope.contract.environment import DEFAULT_ADDR, DEFAULT_PORT, ConfigError, env_value
 
 DEFAULT_EXPORTER = f"http://{DEFAULT_ADDR}:{DEFAULT_PORT}/metrics"
+WILDCARD_ADDRS = ("0.0.0.0", "::", "")
 # Labels Prometheus adds on scrape; two jobs scraping one exporter give the same rank series twice.
 TARGET_LABELS = ("job", "instance")
 
@@ -69,6 +70,18 @@ def _origin(url: str) -> str:
     """The URL without its query string: errors stay one readable line."""
     parts = urllib.parse.urlsplit(url)
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")) or url
+
+
+def local_exporter_url(env: Mapping[str, str]) -> str:
+    """This node's exporter, where the ranks and the exporter put it: RANKSCOPE_METRICS_ADDR and
+    RANKSCOPE_METRICS_PORT, else 127.0.0.1:9400 (an exporter bound to every address answers on loopback)."""
+    try:
+        port = env_value(env, "RANKSCOPE_METRICS_PORT", int, DEFAULT_PORT)
+        addr = env_value(env, "RANKSCOPE_METRICS_ADDR", str, DEFAULT_ADDR)
+    except ConfigError as e:
+        raise SourceError(str(e)) from None
+    addr = DEFAULT_ADDR if addr in WILDCARD_ADDRS else addr
+    return f"http://[{addr}]:{port}/metrics" if ":" in addr else f"http://{addr}:{port}/metrics"
 
 
 def exporter_url(text: str) -> str:
