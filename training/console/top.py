@@ -77,7 +77,10 @@ class ExporterSource:
         samples = [s for url in self.urls for s in scrape_exporter(url)]
         if self.run is None or self.requested_run is None:
             # Without --run, follow the node's most recently active live run (a restart gets a new id).
-            self.run = choose_run(samples, self.requested_run, self.description)
+            run = choose_run(samples, self.requested_run, self.description)
+            if run != self.run:
+                self.history.clear()   # the earlier run's scrapes are no baseline for this one
+            self.run = run
         elif self.run not in {s.labels.get("run") for s in samples}:
             raise SourceError(f"run {self.run!r} is no longer served at {self.description}")
         while self.history and now - self.history[0][0] > self.window_s:
