@@ -65,6 +65,7 @@ ENTRIES_EVERY_S = 1.0        # read new flight-recorder entries this often (and 
 MAX_IN_FLIGHT = 1024         # in-flight collectives remembered per group
 MAX_LABEL = 32               # characters of a group label taken from a description
 _ENTRY_START = b'{"collective_seq_id":'   # nlohmann::json sorts keys: every entry starts so
+_LAST_ENTRY_MAX = 1 << 16    # bytes decoded for the ring's last entry (an entry is ~0.5 KB; 2 KB with frames)
 
 # Bytes per element of the dtype names the flight recorder writes (c10::ScalarType names).
 _DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Byte": 1,
@@ -293,18 +294,20 @@ class ProcessGroupReader:
         start = self._first_new_entry(body)
         if start < 0:
             return
-        text = body[start:].decode("utf-8", "replace")
-        decoder = json.JSONDecoder()
-        i, n = 0, len(text)
-        # Wall time between yields is how long the GIL was held (a descheduled holder
-        # keeps it); thread CPU time is how much of that was this work.
+        # Entry by entry, each a small slice of the body decoded on its own: nothing here
+        # costs more than one entry's worth of work between two GIL yields. Wall time
+        # between yields is how long the GIL was held (a descheduled holder keeps it);
+        # thread CPU time is how much of that was this work.
         slice_start, slice_cpu = time.perf_counter(), time.thread_time()
-        while i < n and text[i] not in "]":
-            entry, i = decoder.raw_decode(text, i)
-            while i < n and text[i] in ", \n":
-                i += 1
+        decoder = json.JSONDecoder()
+        at = start
+        while at >= 0:
+            following = body.find(_ENTRY_START, at + 1)
+            chunk = body[at:following if following >= 0 else at + _LAST_ENTRY_MAX].decode("utf-8", "replace")
+            entry, _ = decoder.raw_decode(chunk)
             self._count(entry)
             self.entries_read += 1
+            at = following
             elapsed = time.perf_counter() - slice_start
             if elapsed >= GIL_SLICE_S:
                 self._note_slice(elapsed, time.thread_time() - slice_cpu)
