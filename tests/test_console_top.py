@@ -17,7 +17,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from urllib.parse import urlparse
