@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from typing import Any, Callable, TypeVar
 
 from rankscope.contract.environment import ConfigError
@@ -47,8 +48,7 @@ class EventSteps:
         self.grad_norm: Any = None
         self.lr: Any = None
         self.saving_since = 0.0        # perf_counter at a checkpoint save's start whose end no event marks yet
-        self.saves = monitor.histogram(CHECKPOINT_SECONDS, "Checkpoint saves by the training framework and the "
-                                       "seconds each took, between steps (rankscope.integrations).")
+        self.saves = _save_histogram(monitor)
 
     @property
     def open(self) -> bool:
@@ -125,6 +125,19 @@ class EventSteps:
         or the end of training)."""
         if self.step is None and not self.saving_since:
             self.saving_since = time.perf_counter()
+
+
+_save_histograms: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def _save_histogram(monitor: Any) -> Any:
+    """The checkpoint-save histogram of a monitor, declared once however many runs or callbacks use it."""
+    histogram = _save_histograms.get(monitor)
+    if histogram is None:
+        histogram = monitor.histogram(CHECKPOINT_SECONDS, "Checkpoint saves by the training framework and the "
+                                      "seconds each took, between steps (rankscope.integrations).")
+        _save_histograms[monitor] = histogram
+    return histogram
 
 
 def guarded(method: F) -> F:
