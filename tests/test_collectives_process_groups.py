@@ -14,8 +14,9 @@ and a real Prometheus loaded with the shipped rules at the fast drill thresholds
   before its backward, in FSDP2 mode and in 2-D mode, is named by
   RankscopeCollectiveBehind with node B, the process group and the op its
   peers wait in, within the fast rule's ``for:`` + 2 scrapes of the moment its
-  peers had waited ``collective_behind_wait_seconds``; no rank of node A is
-  named, and no other hang alert pages for the run.
+  peers had waited ``collective_behind_wait_seconds``, and the shipped
+  Alertmanager routes it to the pager; no rank of node A is named, and
+  nothing else pages for the run. A DDP hang pages HangSuspect only.
 """
 
 from __future__ import annotations
@@ -24,18 +25,31 @@ import datetime
 import json
 import re
 import time
+import urllib.parse
 
 import pytest
 import yaml
 
 from prometheus import generate
 from tests.helpers.jobs import REPO, TrainJob, free_port, wait_until
-from tests.helpers.promstack import PrometheusServer
+from tests.helpers.promstack import AlertmanagerServer, PrometheusServer, WebhookReceiver, firing_alerts
 
 FAST = yaml.safe_load((REPO / "prometheus" / "fast.yaml").read_text())
 WAIT_S = float(FAST["params"]["collective_behind_wait_seconds"])
 SCRAPE_S = 1.0   # PrometheusServer's test scrape and evaluation interval
 HIDDEN = 256     # the trainer's default width
+
+
+def alertmanager_config(hook: WebhookReceiver) -> str:
+    """The shipped alertmanager.yml (routes, inhibitions), its webhooks pointed at ``hook``, delays cut to 1 s."""
+    config = yaml.safe_load((REPO / "prometheus" / "alertmanager.yml").read_text())
+    config["route"].update(group_wait="1s", group_interval="1s")
+    for route in config["route"]["routes"]:
+        route["group_wait"] = "1s"
+    for receiver in config["receivers"]:
+        for webhook in receiver.get("webhook_configs", []):
+            webhook["url"] = hook.url(urllib.parse.urlparse(webhook["url"]).path)
+    return yaml.safe_dump(config, sort_keys=False)
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +141,10 @@ def test_hang_on_node_b_pages_naming_its_rank_node_group_and_op(mode, fast_rules
     jobs = [TrainJob(nproc=nproc, steps=2000, run_id=run, extra_args=args, metrics_dir=tmp_path / f"m{i}",
                      nodes=(2, i, rdzv), env={"RANKSCOPE_NODE": f"node-{'ab'[i]}", "OMP_NUM_THREADS": "1"})
             for i in range(2)]
-    with jobs[0], jobs[1], PrometheusServer(targets=[f"127.0.0.1:{j.port}" for j in jobs],
-                                            rule_files=fast_rules) as prom:
+    with jobs[0], jobs[1], WebhookReceiver() as hook, \
+            AlertmanagerServer(config_text=alertmanager_config(hook)) as am, \
+            PrometheusServer(targets=[f"127.0.0.1:{j.port}" for j in jobs], rule_files=fast_rules,
+                             alertmanager=am.address) as prom:
         def firing():
             alerts = [a for a in prom.alerts() if a["labels"]["alertname"] == "RankscopeCollectiveBehind"
                       and a["labels"].get("run") == run]
@@ -140,8 +156,14 @@ def test_hang_on_node_b_pages_naming_its_rank_node_group_and_op(mode, fast_rules
             f'rankscope_process_group_in_flight_started_timestamp_seconds{{run="{run}"}} > 0'))
         others = [a for a in prom.alerts() if a["labels"].get("run") == run
                   and a["labels"]["alertname"] != "RankscopeCollectiveBehind" and a["labels"]["severity"] == "critical"]
+        # The page: delivered to the pager receiver by the shipped Alertmanager routes.
+        pages = wait_until(lambda: [a for d in hook.snapshot() if d.path == "/page"
+                                    for a in firing_alerts(d) if a["labels"].get("run") == run],
+                           timeout=30, what="the page")
         for job in jobs:   # the hang is real: the job is still running
             assert job.proc.poll() is None, job.log()[-2000:]
+    assert {(p["labels"]["alertname"], p["labels"]["rank"], p["labels"]["node"]) for p in pages} == \
+        {("RankscopeCollectiveBehind", culprit, "node-b")}, [p["labels"] for p in pages]
     for a in alerts:
         labels = a["labels"]
         assert (labels["rank"], labels["node"]) == (culprit, "node-b"), labels
