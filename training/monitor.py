@@ -274,6 +274,16 @@ def _process_group_reader(monitor: Monitor, interval_s: float):
         raise ConfigError(f"RANKSCOPE_MAX_PROCESS_GROUPS={max_groups}: must be >= 0 (0 turns the reading off)")
     if max_groups == 0:
         return None
+    import torch
+
+    c10d = getattr(torch._C, "_distributed_c10d", None)
+    if c10d is None or not hasattr(c10d, "_dump_fr_trace_json") or not hasattr(c10d, "_WorkerServer"):
+        import logging
+
+        logging.getLogger("rankscope").warning(
+            "rankscope: torch %s has no flight recorder to read: only DDP's and monitor.collective()'s "
+            "collectives are seen", torch.__version__)
+        return None
     errors = monitor.errors
     return ProcessGroupReader(ProcessGroupMetrics(monitor.metrics), errors.drop,
                               lambda: errors.error("collectives"),
