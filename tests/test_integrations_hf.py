@@ -6,7 +6,7 @@ dataset, gradient accumulation 2, one checkpoint, and a NaN loss on rank 1 at
 step NAN_STEP (its gradient stays finite, so only rank 1's loss is non-finite).
 Its node exporter is scraped while it runs by Debian's Prometheus with the
 fast rules, which page through the shipped Alertmanager routes. A second,
-shorter job raises an out-of-memory error in rank 1's forward. Each check
+shorter job raises an out-of-memory error in rank 1's forward, a third hangs it. Each check
 compares what rankscope published with what the Trainer itself saw on that
 rank (the script's own records).
 """
@@ -14,6 +14,7 @@ rank (the script's own records).
 from __future__ import annotations
 
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ COLLATE_S = 0.01      # each batch's collate
 LEARNING_RATE = 1e-3  # decayed linearly to 0 over STEPS
 NAN_STEP, FAULT_RANK = 20, "1"
 OOM_STEP = 3
+HANG_STEP = 3
 RANKS = ("0", "1")
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
@@ -61,13 +63,33 @@ def _oom_job(tmp) -> Run:
         return Run({}, final_values(job), returncode=rc)
 
 
+def _hang_job(tmp) -> Run:
+    """Rank 1 never returns from a forward; the exporter (its thresholds cut to 3 s) must name it."""
+    env = {**ENV, "RANKSCOPE_SUSPECT_AFTER_S": "3", "RANKSCOPE_STUCK_AFTER_S": "3"}
+    with UserJob("hf_trainer.py", "--steps", "10", "--hang-rank", FAULT_RANK, "--hang-step", HANG_STEP, nproc=2,
+                 tmp_path=tmp, env=env, name="hf-hang") as job:
+        job.start()
+        deadline = time.monotonic() + 180
+        final: dict = {}
+        while time.monotonic() < deadline and not (
+                value_in(final, "rankscope_hang_suspect", FAULT_RANK) == 1
+                and value_in(final, "rankscope_rank_state", "0", "stuck_in_collective") == 1):
+            time.sleep(0.5)
+            try:
+                final = final_values(job)
+            except OSError:   # the exporter is not up yet
+                continue
+        return Run({}, final)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Run]:
-    # The OOM job is short; it runs beside the main one (each check compares clocks of one process).
+    # The fault jobs are short; they run beside the main one (each check compares clocks of one process).
     with ThreadPoolExecutor(max_workers=2) as pool:
         main = pool.submit(_main_job, tmp_path_factory.mktemp("hf-main"))
         oom = pool.submit(_oom_job, tmp_path_factory.mktemp("hf-oom"))
-        return {"main": main.result(), "oom": oom.result()}
+        hang = pool.submit(_hang_job, tmp_path_factory.mktemp("hf-hang"))
+        return {"main": main.result(), "oom": oom.result(), "hang": hang.result()}
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +97,12 @@ def run(runs) -> Run:
     return runs["main"]
 
 
+def value_in(final: dict, name: str, rank: str, extra: str = "") -> float:
+    return final.get((name, rank, extra), math.nan)
+
+
 def value(run: Run, name: str, rank: str, extra: str = "") -> float:
-    return run.final.get((name, rank, extra), math.nan)
+    return value_in(run.final, name, rank, extra)
 
 
 def zero_or_absent(v: float) -> bool:
@@ -160,3 +186,14 @@ def test_an_oom_in_the_trainers_forward_is_counted_and_the_rank_fails(runs):
     assert value(run, "rankscope_steps_total", FAULT_RANK) == OOM_STEP   # the failed step is not counted
     assert value(run, "rankscope_rank_failure_info", FAULT_RANK, "OutOfMemoryError") == 1
     assert value(run, "rankscope_rank_state", FAULT_RANK, "finished") == 0
+
+
+def test_a_hang_in_the_trainers_forward_is_located(runs):
+    """Rank 1 hangs in its forward; rank 0 blocks in the step's gradient all-reduce, which the
+    adapter counts in flight only in a backward that launches one (not under no_sync)."""
+    run = runs["hang"]
+    assert value(run, "rankscope_hang_suspect", FAULT_RANK) == 1, run.final
+    assert value(run, "rankscope_hang_suspect", "0") == 0
+    assert value(run, "rankscope_rank_state", "0", "stuck_in_collective") == 1
+    assert value(run, "rankscope_collective_in_flight", "0", "all_reduce") == 1
+    assert value(run, "rankscope_steps_total", FAULT_RANK) == HANG_STEP

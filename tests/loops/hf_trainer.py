@@ -1,7 +1,7 @@
 """A real Hugging Face Trainer job with rankscope's two lines (run under torchrun, CPU, gloo).
 
     torchrun --standalone --nproc-per-node 2 hf_trainer.py [--steps N] [--save-every N]
-        [--nan-rank R --nan-step S] [--oom-rank R --oom-step S]
+        [--nan-rank R --nan-step S] [--oom-rank R --oom-step S] [--hang-rank R --hang-step S]
 
 A 2-layer GPT-2 (64 hidden) built from its config, nothing fetched
 (HF_HUB_OFFLINE=1); a synthetic token dataset whose collate takes
@@ -9,7 +9,8 @@ COLLATE_S per batch; gradient accumulation 2; a checkpoint every SAVE_EVERY
 steps. On ``--nan-rank`` the loss of step ``--nan-step`` reads NaN (its
 gradient stays finite, so the other rank trains on: only that rank's loss is
 non-finite); on ``--oom-rank`` the forward of step ``--oom-step`` raises
-torch.OutOfMemoryError. Each rank writes what the Trainer itself saw to
+torch.OutOfMemoryError; on ``--hang-rank`` the first micro-batch's forward of
+step ``--hang-step`` never returns (its peers block in the step's all-reduce). Each rank writes what the Trainer itself saw to
 $LOOP_OUT/rank<N>.json: its global_step, train_runtime, and its own loss per
 optimizer step (the sum of its training_step returns, each already divided by
 the accumulation count).
@@ -67,6 +68,8 @@ class RecordingTrainer(Trainer):
         rank, step = self.args.process_index, self.state.global_step
         if rank == self.faults.oom_rank and step == self.faults.oom_step:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        if rank == self.faults.hang_rank and step == self.faults.hang_step:
+            time.sleep(3600)   # a deadlock, a stuck file system...
         loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if rank == self.faults.nan_rank and step == self.faults.nan_step:
             # The value reads NaN; the gradient is the real loss's (the other rank trains on).
@@ -83,7 +86,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--save-every", type=int, default=30)
-    for fault in ("nan", "oom"):
+    for fault in ("nan", "oom", "hang"):
         p.add_argument(f"--{fault}-rank", type=int, default=-1)
         p.add_argument(f"--{fault}-step", type=int, default=-1)
     args = p.parse_args()
