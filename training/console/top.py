@@ -44,7 +44,7 @@ PHASE_LETTERS = {"data": "d", "forward": "f", "backward": "b", "optimizer": "o",
 PHASE_STYLES = {"data": "black on yellow", "forward": "black on blue", "backward": "black on magenta",
                 "optimizer": "black on green", "comm_wait": "white on red", "other": "black on white"}
 PHASE_BAR_WIDTH = 12
-SUSPECT_MARK = "!! SUSPECT"
+SUSPECT_MARK = "SUSPECT"
 PLAIN_WIDTH = 200          # columns of the plain-text table when there is no terminal to ask
 
 # key -> (sort name, how rows are ordered): slowest / furthest behind / most waiting first.
@@ -252,7 +252,7 @@ def render(view: RunView | None, screen: Screen, *, color: bool, live: bool) -> 
     if others:
         parts.append(Text(f"other runs at this source: {', '.join(others)} (--run RUN)"))
 
-    table = Table(box=box.SIMPLE_HEAD if color else box.ASCII2, pad_edge=False, expand=False,
+    table = Table(box=box.SIMPLE_HEAD if color else box.ASCII2, pad_edge=False, expand=False, collapse_padding=color,
                   header_style="bold" if color else "")
     for name, justify in (("rank", "right"), ("node", "left"), ("state", "left"), ("step", "right"),
                           ("lag", "right"), ("last", "right"), ("median", "right"), ("phases", "left"),
