@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--from", dest="start", metavar="TIME",
                         help="start (unix seconds, ISO 8601, or now-DURATION like now-2h; default: the run's start)")
     report.add_argument("--to", dest="end", metavar="TIME",
-                        help="end (same forms; default: the run's last step)")
+                        help="end (same forms; default: the run's last heartbeat or step)")
     report.add_argument("--lookback", default="7d", metavar="DURATION",
                         help="how far back to look for the run's start and end when --from/--to are not given (7d)")
     report.add_argument("--out", type=Path, required=True, metavar="FILE", help="HTML file to write")
