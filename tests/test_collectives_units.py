@@ -127,6 +127,7 @@ def make():
     sink, drops, errors = Sink(), [], []
     reader = ProcessGroupReader(sink, lambda what, reason="", n=1: drops.append((what, n)), lambda: errors.append(1),
                                 source, 2, 60.0, entries_every_s=0.0, initialized=lambda: True)
+    reader._ring = 0   # no pacing: every poll reads the entries
     return rec, reader, sink, drops, errors
 
 
@@ -186,7 +187,7 @@ def test_in_flight_collective_publishes_its_enqueue_time_until_it_completes():
 
 def test_a_collective_stuck_across_two_status_reads_is_looked_up_at_once():
     rec, reader, sink, drops, errors = make()
-    reader._entries_every_s = 3600.0
+    reader._entries_every_s = reader._next_read_s = 3600.0
     rec.collective()
     reader.poll()                       # the first read is due (entries_every_s from 0)
     rec.collective(op="gloo:broadcast", complete=False, t=300.0)
@@ -216,3 +217,17 @@ def test_an_nccl_duration_written_after_the_first_read_is_still_published():
     assert sink.children[("duration", "default", "all_reduce")].observed == [0.0005]
     assert sink.children[("count", "default", "0", "all_gather")].value == 1   # counted once
     assert reader._pending_duration == {}
+
+
+def test_reads_are_paced_by_how_fast_the_ring_fills():
+    rec, reader, sink, drops, errors = make()
+    reader._entries_every_s = 1.0
+    reader._ring = 2000
+    reader._pace(2000, 1.0)      # 2000 new entries a second: read every 1 s (the floor), not 0.5 s
+    assert reader._next_read_s == 1.0
+    reader._pace(100, 1.0)       # 100 a second: half the ring in 10 s
+    assert reader._next_read_s == 10.0
+    reader._pace(400, 1.0)
+    assert reader._next_read_s == 2.5
+    reader._pace(0, 5.0)         # idle: the ceiling
+    assert reader._next_read_s == 10.0

@@ -31,9 +31,9 @@ Why two reads, and what each costs (measured, docs/collectives.md):
   a unix socket in the run directory: the ring is serialised on the server's
   C++ thread without the GIL, and only the entries not read before are
   decoded here, one at a time, giving the GIL back at least every
-  ``GIL_SLICE_S``. Every ``entries_every_s``, and at once when a collective
-  has stayed in flight across two status reads (a possible hang: its op and
-  age are wanted now).
+  ``GIL_SLICE_S``. When about half the ring is new (between 1 and 10 s
+  apart), and at once when a collective has stayed in flight across two
+  status reads (a possible hang: its op and age are wanted now).
 
 Group labels: ``group`` is the role, ``default`` for the default group, the
 device-mesh dimension name for a mesh's groups (DeviceMesh names them
@@ -61,7 +61,9 @@ from typing import Any, Callable
 log = logging.getLogger("rankscope")
 
 GIL_SLICE_S = 0.00025        # decode entries for at most this long before giving the GIL back
-ENTRIES_EVERY_S = 1.0        # read new flight-recorder entries this often (and on a possible hang)
+ENTRIES_EVERY_S = 1.0        # read new flight-recorder entries at least this far apart (and on a possible hang)
+ENTRIES_AT_MOST_EVERY_S = 10.0   # ... and at most this far apart
+RING_SHARE = 0.5             # aim to read when about this share of the ring is new
 MAX_IN_FLIGHT = 1024         # in-flight collectives remembered per group
 MAX_LABEL = 32               # characters of a group label taken from a description
 _ENTRY_START = b'{"collective_seq_id":'   # nlohmann::json sorts keys: every entry starts so
@@ -209,6 +211,8 @@ class ProcessGroupReader:
         self._refused: set[str] = set()             # pg_ids over the budget
         self._last_record = -1                      # record_id of the last entry counted
         self._last_entries = 0.0
+        self._next_read_s = entries_every_s
+        self._ring = _ring_size()
         self._suspect: dict[str, int] = {}          # pg_id -> seq seen in flight at the last status read
         self._status: dict[str, dict[str, str]] = {}
         self._pending_duration: dict[int, tuple[str, str]] = {}   # record_id -> (group, op) read before done
@@ -248,17 +252,31 @@ class ProcessGroupReader:
                 self._warn_if_recorder_off()
             stuck = self._note_status(status)
             now = time.monotonic()
-            if final or stuck or now - self._last_entries >= self._entries_every_s:
-                self._last_entries = now
+            if final or stuck or now - self._last_entries >= self._next_read_s:
+                elapsed, self._last_entries = now - self._last_entries, now
+                read_before = self.entries_read
                 try:   # without entries the sequence numbers are still published
                     self._read_entries()
                 except Exception:
                     self._error()
+                self._pace(self.entries_read - read_before, elapsed)
             self._publish()
         except Exception:
             self._error()
         finally:
             self._lock.release()
+
+    def _pace(self, new_entries: int, elapsed: float) -> None:
+        """Serialising the ring costs the same however few entries are new (about 10 us an entry,
+        on torch's thread): read when about half of it is new, between entries_every_s and
+        ENTRIES_AT_MOST_EVERY_S apart. A busy FSDP job is read every second or two; a DDP job
+        with a few collectives a second every ten."""
+        if elapsed <= 0 or self._ring <= 0:
+            return
+        rate = new_entries / elapsed
+        wanted = RING_SHARE * self._ring / rate if rate > 0 else ENTRIES_AT_MOST_EVERY_S
+        self._next_read_s = min(max(wanted, self._entries_every_s), max(ENTRIES_AT_MOST_EVERY_S,
+                                                                         self._entries_every_s))
 
     def _warn_if_recorder_off(self) -> None:
         size = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
@@ -437,6 +455,12 @@ class ProcessGroupReader:
                         group.published_in_flight.pop(op, None)
         if oldest_any and self._on_in_flight is not None:
             self._on_in_flight(oldest_any)
+
+
+def _ring_size() -> int:
+    """Entries torch's flight recorder keeps (its own default, 2000, when the variables are unset)."""
+    raw = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or "2000"
+    return int(raw) if raw.strip().isdigit() else 2000
 
 
 def _dist_initialized() -> bool:

@@ -170,6 +170,13 @@ def main(argv=None) -> int:
         "whole ring, JSON, C++ worker server (fetch only)": source.entries_json,
         "rankscope reader: status + server fetch + decode of new entries": reader_poll,
     }
+    # CPU of one full-ring fetch on the server's C++ thread: the process's CPU minus this thread's
+    # (measured with no other Python thread running).
+    server_cpu = []
+    for _ in range(args.repeats):
+        p0, t0 = time.process_time(), time.thread_time()
+        source.entries_json()
+        server_cpu.append((time.process_time() - p0) - (time.thread_time() - t0))
     rows, figures = [], {"entries": args.entries, "reads": {}}
     with GapMeter() as meter:
         time.sleep(0.3)
@@ -193,11 +200,14 @@ def main(argv=None) -> int:
         ["rankscope reader: longest decode slice between GIL yields, wall / own CPU (ms)",
          f"{1000 * max(reader_poll.slices):.3f} / {1000 * max(reader_poll.cpu_slices):.3f} "
          f"({reader_poll.entries} entries)"],
+        ["C++ worker server: CPU per full-ring fetch on its own thread (ms, median)",
+         f"{1000 * statistics.median(server_cpu):.1f}"],
         ["_register_on_completion_hook on gloo", hook],
     ]))
     figures.update(gap_baseline_ms=1000 * baseline, record_us={"off": rec0, "on": rec1},
                    reader_longest_slice_ms=1000 * max(reader_poll.slices),
                    reader_longest_slice_cpu_ms=1000 * max(reader_poll.cpu_slices), completion_hook_gloo=hook,
+                   server_cpu_ms_per_fetch=1000 * statistics.median(server_cpu),
                    machine=machine())
     emit_json({"benchmark": "flight_recorder", **figures})
     return 0
