@@ -279,3 +279,20 @@ def test_bad_url_and_unknown_run_are_one_line_errors(hung_job):
         assert tmux.status_file.read_text().strip() == "2"
     finally:
         tmux.close()
+
+
+def test_a_node_whose_exporter_stops_answering_is_named_and_the_others_stay(hung_job):
+    """Last in this module: it kills node-b's exporter (the node in trouble)."""
+    tmux = Tmux([*rankscope_command(), "top", *hung_job.urls, "--interval", "1"], env=_env())
+    try:
+        wait_until(lambda: shows_the_hang(tmux.screen()), timeout=30, what="the top screen to show the hang")
+        hung_job.jobs[1].health()           # learn node-b's exporter pid
+        hung_job.jobs[1]._kill_exporter()
+        node_b = urlparse(hung_job.urls[1]).netloc
+        screen = wait_until(lambda: (lambda text: "not answering" in text and node_b in text
+                                     and shows_the_hang(text, NODE_RANKS["node-a"]) and text)(tmux.screen()),
+                            timeout=20, what="node-b named as not answering, node-a's ranks still shown")
+        print(screen.rstrip())
+        assert tmux.alive(), "a node that stops answering does not end top"
+    finally:
+        tmux.close()

@@ -72,9 +72,21 @@ class ExporterSource:
     def description(self) -> str:
         return ", ".join(self.urls)
 
-    def fetch(self) -> RunView:
+    def fetch(self, strict: bool = False) -> RunView:
+        """One picture. ``strict`` (the first fetch): any exporter that fails is an error. Later, a node
+        whose exporter stops answering (the node in trouble) leaves the others on screen, and is named."""
         now = time.time()
-        samples = [s for url in self.urls for s in scrape_exporter(url)]
+        samples: list[Series] = []
+        failures: list[str] = []
+        for url in self.urls:
+            try:
+                samples += scrape_exporter(url)
+            except SourceError as e:
+                if strict or len(self.urls) == 1:
+                    raise
+                failures.append(str(e))
+        if len(failures) == len(self.urls):
+            raise SourceError("; ".join(failures))
         if self.run is None or self.requested_run is None:
             # Without --run, follow the node's most recently active live run (a restart gets a new id).
             run = choose_run(samples, self.requested_run, self.description)
@@ -90,9 +102,11 @@ class ExporterSource:
         alerts = None
         if self.alerts is not None:
             alerts = self.alerts.firing_alerts(self.run)
-        return build_view(self.run, samples, source=self.description, taken_at=now, alerts=alerts,
+        view = build_view(self.run, samples, source=self.description, taken_at=now, alerts=alerts,
                           baseline=baseline[1] if baseline else None,
                           window_s=(now - baseline[0]) if baseline else None)
+        view.source_errors = failures
+        return view
 
 
 class PrometheusSource:
@@ -108,7 +122,7 @@ class PrometheusSource:
     def description(self) -> str:
         return self.prometheus.url
 
-    def fetch(self) -> RunView:
+    def fetch(self, strict: bool = False) -> RunView:
         self.prometheus.check()
         now = time.time()
         if self.run is None or self.requested_run is None:
@@ -285,6 +299,8 @@ def render(view: RunView | None, screen: Screen, *, color: bool, live: bool) -> 
     if live:
         footer = "keys: t step time  l step lag  c comm wait  r rank  n next node  a all nodes  q quit   " + footer
     parts.append(Text(footer, style="dim" if color else ""))
+    for failure in view.source_errors:
+        parts.append(Text(f"not answering, its ranks are left out: {failure}", style="bold red" if color else ""))
     if screen.error:
         since = time.strftime("%H:%M:%S", time.localtime(screen.error_since or time.time()))
         parts.append(Text(f"refresh failing since {since}: {screen.error} (showing the last good data)",
@@ -294,7 +310,7 @@ def render(view: RunView | None, screen: Screen, *, color: bool, live: bool) -> 
 
 def print_once(source, screen: Screen, out=None) -> None:
     """One plain-text picture (no colours, no cursor movement): for scripts, tickets and pipes."""
-    view = source.fetch()
+    view = source.fetch(strict=True)
     if screen.node is not None and screen.node not in view.nodes:
         raise SourceError(f"node {screen.node!r} has no ranks of run {view.run!r} (nodes: {', '.join(view.nodes)})")
     out = out or sys.stdout
@@ -326,7 +342,7 @@ def keys_from(stream) -> Iterator[Callable[[float], str]]:
 
 
 def run_live(source, screen: Screen, interval_s: float) -> None:
-    view = source.fetch()    # the first fetch fails loudly (bad URL, no such run): exit 2 before the screen
+    view = source.fetch(strict=True)    # the first fetch fails loudly (bad URL, no such run): exit 2 before the screen
     if screen.node is not None and screen.node not in view.nodes:
         raise SourceError(f"node {screen.node!r} has no ranks of run {view.run!r} (nodes: {', '.join(view.nodes)})")
     console = Console()

@@ -74,6 +74,7 @@ class RunView:
     steps_per_s: float | None = None
     leader_step: float | None = None
     alerts: list[Alert] | None = None      # None: the source has no alerts (exporters)
+    source_errors: list[str] = field(default_factory=list)   # exporters that did not answer this time
 
     def state_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
