@@ -219,15 +219,30 @@ def test_an_nccl_duration_written_after_the_first_read_is_still_published():
     assert reader._pending_duration == {}
 
 
-def test_reads_are_paced_by_how_fast_the_ring_fills():
+def test_entries_are_read_once_half_the_ring_is_new_by_the_sequence_numbers():
     rec, reader, sink, drops, errors = make()
-    reader._entries_every_s = 1.0
-    reader._ring = 2000
-    reader._pace(2000, 1.0)      # 2000 new entries a second: read every 1 s (the floor), not 0.5 s
-    assert reader._next_read_s == 1.0
-    reader._pace(100, 1.0)       # 100 a second: half the ring in 10 s
-    assert reader._next_read_s == 10.0
-    reader._pace(400, 1.0)
-    assert reader._next_read_s == 2.5
-    reader._pace(0, 5.0)         # idle: the ceiling
-    assert reader._next_read_s == 10.0
+    reader._entries_every_s, reader._ring = 1.0, 10
+    reader._last_entries = 100.0
+    assert not reader._read_due(100.5, 50)     # never closer than 1 s
+    assert not reader._read_due(102.0, 4)      # 4 of a 10-entry ring are new: not yet
+    assert reader._read_due(102.0, 5)          # half the ring
+    assert reader._read_due(110.0, 0)          # at least every 10 s
+
+
+def test_a_poll_reads_entries_only_when_half_the_ring_is_new():
+    rec, reader, sink, drops, errors = make()
+    reader._ring = rec.size = 10
+    for _ in range(6):
+        rec.collective()
+    reader.poll()                              # the first read
+    count = sink.children[("count", "default", "0", "all_reduce")]
+    assert count.value == 6
+    for _ in range(3):
+        rec.collective()
+    reader.poll()                              # 3 new of 10: not worth serialising the ring
+    assert count.value == 6
+    assert sink.children[("enqueued", "default", "0")].value == 9   # sequence numbers move regardless
+    for _ in range(2):
+        rec.collective()
+    reader.poll()                              # 5 new: read
+    assert count.value == 11 and drops == []

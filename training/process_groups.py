@@ -31,8 +31,8 @@ Why two reads, and what each costs (measured, docs/collectives.md):
   a unix socket in the run directory: the ring is serialised on the server's
   C++ thread without the GIL, and only the entries not read before are
   decoded here, one at a time, giving the GIL back at least every
-  ``GIL_SLICE_S``. When about half the ring is new (between 1 and 10 s
-  apart), and at once when a collective has stayed in flight across two
+  ``GIL_SLICE_S``. When about half the ring is new, as the status's sequence
+  numbers count (between 1 and 10 s apart), and at once when a collective has stayed in flight across two
   status reads (a possible hang: its op and age are wanted now).
 
 Group labels: ``group`` is the role, ``default`` for the default group, the
@@ -211,7 +211,7 @@ class ProcessGroupReader:
         self._refused: set[str] = set()             # pg_ids over the budget
         self._last_record = -1                      # record_id of the last entry counted
         self._last_entries = 0.0
-        self._next_read_s = entries_every_s
+        self._enqueued_at_read = 0
         self._ring = _ring_size()
         self._suspect: dict[str, int] = {}          # pg_id -> seq seen in flight at the last status read
         self._status: dict[str, dict[str, str]] = {}
@@ -252,31 +252,29 @@ class ProcessGroupReader:
                 self._warn_if_recorder_off()
             stuck = self._note_status(status)
             now = time.monotonic()
-            if final or stuck or now - self._last_entries >= self._next_read_s:
-                elapsed, self._last_entries = now - self._last_entries, now
-                read_before = self.entries_read
+            enqueued = sum(int(st.get("last_enqueued_collective", -1)) + 1 for st in status.values())
+            if final or stuck or self._read_due(now, enqueued - self._enqueued_at_read):
+                self._last_entries, self._enqueued_at_read = now, enqueued
                 try:   # without entries the sequence numbers are still published
                     self._read_entries()
                 except Exception:
                     self._error()
-                self._pace(self.entries_read - read_before, elapsed)
             self._publish()
         except Exception:
             self._error()
         finally:
             self._lock.release()
 
-    def _pace(self, new_entries: int, elapsed: float) -> None:
+    def _read_due(self, now: float, new_collectives: int) -> bool:
         """Serialising the ring costs the same however few entries are new (about 10 us an entry,
-        on torch's thread): read when about half of it is new, between entries_every_s and
-        ENTRIES_AT_MOST_EVERY_S apart. A busy FSDP job is read every second or two; a DDP job
-        with a few collectives a second every ten."""
-        if elapsed <= 0 or self._ring <= 0:
-            return
-        rate = new_entries / elapsed
-        wanted = RING_SHARE * self._ring / rate if rate > 0 else ENTRIES_AT_MOST_EVERY_S
-        self._next_read_s = min(max(wanted, self._entries_every_s), max(ENTRIES_AT_MOST_EVERY_S,
-                                                                         self._entries_every_s))
+        on torch's thread): read once about half of it is new, as the groups' sequence numbers
+        count, but no closer than entries_every_s and no further than ENTRIES_AT_MOST_EVERY_S apart.
+        A busy FSDP job is read every second or few; a DDP job with a few collectives a second
+        every ten."""
+        since = now - self._last_entries
+        if since < self._entries_every_s:
+            return False
+        return since >= ENTRIES_AT_MOST_EVERY_S or self._ring <= 0 or new_collectives >= RING_SHARE * self._ring
 
     def _warn_if_recorder_off(self) -> None:
         size = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
