@@ -35,6 +35,10 @@ from rankscope.console.view import COMPUTE_PHASES, histogram_quantile
 from rankscope.contract.catalog import PHASES
 
 MAX_POINTS = 240          # points per series in range queries: enough for a 1000-pixel-wide plot
+MAX_LABELLED_RANKS = 40   # beyond this, every k-th rank is labelled on a per-rank axis
+MAX_LEGEND = 16           # lines per plot that get a legend entry; a big run's lines stay unlabelled
+MAX_RANKED_BARS = 30      # ranks drawn in the straggler bars (the slowest), all of them in the JSON
+MAX_FIG_HEIGHT = 14.0     # inches: a 1,000-rank run still gives a readable page
 PHASE_COLORS = {"data": "#e6b800", "forward": "#4c72b0", "backward": "#8172b3", "optimizer": "#55a868",
                 "comm_wait": "#c44e52", "other": "#b0b0b0"}
 STRAGGLER_PEER_RATIO = 1.35   # the Straggler alert's bar (prometheus/thresholds.yaml), drawn on its plot
@@ -153,6 +157,21 @@ def _dates(ts: list[float]):
     return [mdates.date2num(dt.datetime.fromtimestamp(t, dt.timezone.utc)) for t in ts]
 
 
+def _rank_height(count: int, per_rank: float, base: float = 1.2, least: float = 2.5) -> float:
+    return min(MAX_FIG_HEIGHT, max(least, base + per_rank * count))
+
+
+def _rank_ticks(ax, labels: list[str]) -> None:
+    """Rank labels on the y axis: all of them, or every k-th for a big run."""
+    every = max(1, math.ceil(len(labels) / MAX_LABELLED_RANKS))
+    ax.set_yticks(range(0, len(labels), every), labels[::every], fontsize="small" if every > 1 else None)
+
+
+def _legend(ax, count: int, **kwargs) -> None:
+    if 0 < count <= MAX_LEGEND:
+        ax.legend(fontsize="small", **kwargs)
+
+
 def _empty(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="#888888")
     ax.set_xticks([])
@@ -165,7 +184,7 @@ def step_time_heatmap(d: RunData) -> Plot:
     expr = (f"sum by (rank) (rate(rankscope_step_duration_seconds_sum{{{d.sel}}}[{d.rate_window}]))"
             f" / sum by (rank) (rate(rankscope_step_duration_seconds_count{{{d.sel}}}[{d.rate_window}]) > 0)")
     rows = sorted(d.series(expr), key=lambda item: _rank_key(item[0]))
-    fig = _figure(10, max(2.5, 1.2 + 0.35 * len(rows)))
+    fig = _figure(10, _rank_height(len(rows), 0.35))
     ax = fig.add_subplot()
     points = sum(1 for _, values in rows for _, v in values if _finite(v))
     if not points:
@@ -182,7 +201,7 @@ def step_time_heatmap(d: RunData) -> Plot:
         mesh = ax.pcolormesh(edges, np.arange(len(rows) + 1) - 0.5, np.ma.masked_invalid(grid), cmap="viridis",
                              shading="flat")
         ax.set_facecolor("#dddddd")   # no step completed there (a hang, or the rank not yet started)
-        ax.set_yticks(range(len(rows)), [f"rank {labels.get('rank')}" for labels, _ in rows])
+        _rank_ticks(ax, [f"rank {labels.get('rank')}" for labels, _ in rows])
         ax.invert_yaxis()
         fig.colorbar(mesh, ax=ax, label="mean step time (ms)")
         _time_axis(ax, d)
@@ -205,7 +224,7 @@ def phase_totals(d: RunData) -> dict[str, dict[str, float]]:
 
 def phase_breakdown(per_rank: dict[str, dict[str, float]]) -> Plot:
     ranks = sorted(per_rank, key=lambda r: int(r))
-    fig = _figure(10, max(2.5, 1.2 + 0.4 * len(ranks)))
+    fig = _figure(10, _rank_height(len(ranks), 0.4))
     ax = fig.add_subplot()
     points = sum(1 for r in ranks for p in PHASES if per_rank[r].get(p, 0.0) > 0)
     if not points:
@@ -214,8 +233,9 @@ def phase_breakdown(per_rank: dict[str, dict[str, float]]) -> Plot:
         left = [0.0] * len(ranks)
         for phase in PHASES:
             widths = [per_rank[r].get(phase, 0.0) * 1000 for r in ranks]
-            ax.barh([f"rank {r}" for r in ranks], widths, left=left, color=PHASE_COLORS[phase], label=phase)
+            ax.barh(range(len(ranks)), widths, left=left, color=PHASE_COLORS[phase], label=phase)
             left = [a + b for a, b in zip(left, widths)]
+        _rank_ticks(ax, [f"rank {r}" for r in ranks])
         ax.invert_yaxis()
         ax.set_xlabel("milliseconds per step (mean over the window)")
         ax.legend(ncols=len(PHASES), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
@@ -245,15 +265,16 @@ def straggler_plot(d: RunData, ranking: list[dict[str, Any]]) -> Plot:
     fig = _figure(10, 4.5)
     bars, line = fig.subplots(1, 2, width_ratios=[1, 2])
     if ranking:
-        labels = [f"rank {x['rank']}" for x in ranking]
-        excess = [100 * x["excess_over_median"] for x in ranking]
+        shown = ranking[:MAX_RANKED_BARS]
+        labels = [f"rank {x['rank']}" for x in shown]
+        excess = [100 * x["excess_over_median"] for x in shown]
         bars.barh(labels, excess, color=["#c44e52" if e > 0 else "#4c72b0" for e in excess])
         bars.axvline(0, color="black", linewidth=0.8)
         bars.invert_yaxis()
         bars.set_xlabel("compute per step over the median (%)")
     else:
         _empty(bars, "no steps in this window")
-    bars.set_title("Straggler ranking")
+    bars.set_title("Straggler ranking" + (f" (slowest {MAX_RANKED_BARS})" if len(ranking) > MAX_RANKED_BARS else ""))
     rule = f"rank:rankscope_phase_seconds:compute_per_step_peer_ratio{{{d.sel}}}"
     series = d.series(rule)
     source = "recording rule"
@@ -268,11 +289,12 @@ def straggler_plot(d: RunData, ranking: list[dict[str, Any]]) -> Plot:
         finite = [(t, v) for t, v in values if _finite(v)]
         points += len(finite)
         if finite:
-            line.plot(_dates([t for t, _ in finite]), [v for _, v in finite], label=f"rank {labels.get('rank')}")
+            line.plot(_dates([t for t, _ in finite]), [v for _, v in finite], label=f"rank {labels.get('rank')}",
+                      linewidth=1 if len(series) <= MAX_LEGEND else 0.5)
     if points:
         line.axhline(STRAGGLER_PEER_RATIO, color="#c44e52", linestyle="--", linewidth=1,
                      label=f"alert bar {STRAGGLER_PEER_RATIO}")
-        line.legend(fontsize="small")
+        _legend(line, len(series) + 1)
         line.set_ylabel("compute per step / peers' median")
         _time_axis(line, d)
     else:
@@ -285,12 +307,13 @@ def loss_plot(d: RunData) -> Plot:
     fig = _figure(10, 4)
     ax = fig.add_subplot()
     points = 0
-    for labels, values in sorted(d.series(f"rankscope_loss{{{d.sel}}}"), key=lambda item: _rank_key(item[0])):
+    losses = d.series(f"rankscope_loss{{{d.sel}}}")
+    for labels, values in sorted(losses, key=lambda item: _rank_key(item[0])):
         finite = [(t, v) for t, v in values if _finite(v)]
         points += len(finite)
         if finite:
             ax.plot(_dates([t for t, _ in finite]), [v for _, v in finite], label=f"rank {labels.get('rank')}",
-                    linewidth=1)
+                    linewidth=1 if len(losses) <= MAX_LEGEND else 0.5)
     lr_points = 0
     lr = d.series(f"avg by (run) (rankscope_learning_rate{{{d.sel}}})")
     if lr:
@@ -304,7 +327,7 @@ def loss_plot(d: RunData) -> Plot:
             twin.legend(loc="upper right", fontsize="small")
     if points:
         ax.set_ylabel("loss")
-        ax.legend(loc="upper left", fontsize="small")
+        _legend(ax, len(losses), loc="upper left")
         _time_axis(ax, d)
     else:
         _empty(ax, "no loss reported")
@@ -323,19 +346,20 @@ def memory_plot(d: RunData) -> Plot:
     points = 0
     for ax, (kind, used, limit, what) in zip(axes, panels):
         drawn = 0
-        for labels, values in sorted(d.series(f"{used}{{{d.sel}}}"), key=lambda item: _rank_key(item[0])):
+        lines = d.series(f"{used}{{{d.sel}}}")
+        for labels, values in sorted(lines, key=lambda item: _rank_key(item[0])):
             finite = [(t, v) for t, v in values if _finite(v)]
             drawn += len(finite)
             if finite:
                 ax.plot(_dates([t for t, _ in finite]), [v / 2**30 for _, v in finite],
-                        label=f"rank {labels.get('rank')}", linewidth=1)
+                        label=f"rank {labels.get('rank')}", linewidth=1 if len(lines) <= MAX_LEGEND else 0.5)
         peak_limit = d.scalar(f"min(min_over_time({limit}{{{d.sel}}}[{d.window}]) > 0)")
         if drawn:
             top = max(line.get_ydata().max() for line in ax.get_lines())
             if peak_limit and peak_limit / 2**30 < 4 * top:   # draw the limit when it is near enough to read
                 ax.axhline(peak_limit / 2**30, color="#c44e52", linestyle="--", linewidth=1, label="limit")
             ax.set_ylabel("GiB")
-            ax.legend(fontsize="small", loc="upper left")
+            _legend(ax, len(lines) + 1, loc="upper left")
             _time_axis(ax, d)
             caption = f" (limit {peak_limit / 2**30:.1f} GiB)" if peak_limit else ""
         else:
@@ -353,7 +377,7 @@ def collective_distribution(d: RunData) -> tuple[Plot, list[dict[str, Any]]]:
             counts[s.labels.get("op", "?")][float(s.labels["le"])] = s.value
     ops = sorted(op for op, b in counts.items() if b.get(math.inf, 0) > 0)
     stats = []
-    fig = _figure(10, max(3.0, 2.6 * len(ops)))
+    fig = _figure(10, min(MAX_FIG_HEIGHT * 2, max(3.0, 2.6 * len(ops))))
     axes = fig.subplots(max(len(ops), 1), 1, squeeze=False)[:, 0]
     points = 0
     for ax, op in zip(axes, ops):
@@ -403,7 +427,7 @@ def alert_intervals(d: RunData) -> list[dict[str, Any]]:
 
 
 def alerts_timeline(d: RunData, alerts: list[dict[str, Any]]) -> Plot:
-    fig = _figure(10, 2.2 + 0.35 * max(len({(a["alertname"], a["rank"]) for a in alerts}), 1))
+    fig = _figure(10, min(MAX_FIG_HEIGHT, 2.2 + 0.35 * max(len({(a["alertname"], a["rank"]) for a in alerts}), 1)))
     rate_axis, bars = fig.subplots(2, 1, sharex=True, height_ratios=[1, 1.2])
     rule = d.series(f"run:rankscope_steps:rate{{{d.sel}}}")
     if not rule:
@@ -548,13 +572,15 @@ def render_html(facts: dict[str, Any], plots: list[Plot]) -> str:
                  "optimizer) per step over the ranks' median, across the whole window. A rank that waits for a "
                  "straggler shows it as comm wait, not compute.</p><table><tr><th>#</th><th>rank</th><th>node</th>"
                  "<th>compute / step</th><th>over median</th><th>comm wait / step</th><th>data / step</th></tr>")
-    for i, r in enumerate(facts["straggler_ranking"], 1):
+    for i, r in enumerate(facts["straggler_ranking"][:MAX_RANKED_BARS], 1):
         parts.append(f"<tr><td class='num'>{i}</td><td class='num'>{r['rank']}</td><td>{e(r['node'])}</td>"
                      f"<td class='num'>{_fmt_s(r['compute_per_step_s'])}</td>"
                      f"<td class='num'>{100 * r['excess_over_median']:+.1f}%</td>"
                      f"<td class='num'>{_fmt_s(r['comm_wait_per_step_s'])}</td>"
                      f"<td class='num'>{_fmt_s(r['data_per_step_s'])}</td></tr>")
-    parts.append("</table>" + figure("straggler_ranking"))
+    more = len(facts["straggler_ranking"]) - MAX_RANKED_BARS
+    parts.append("</table>" + (f"<p class='note'>{more} more ranks in the JSON at the end of this page.</p>"
+                               if more > 0 else "") + figure("straggler_ranking"))
     parts.append("<h2>Loss per rank, with the learning rate</h2>" + figure("loss"))
     parts.append("<h2>Memory per rank</h2>" + figure("memory"))
     parts.append("<h2>Collective latency distribution per op</h2>" + figure("collective_latency"))
