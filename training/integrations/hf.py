@@ -219,7 +219,8 @@ def instrument(trainer: Any) -> Any:
     training_step = trainer.training_step
 
     def rankscope_training_step(model, *args: Any, **kwargs: Any):
-        if callback._watched is None and callback.monitor is not None:
+        if model is not callback._watched and callback.monitor is not None:
+            # The first step of a train() call; each call may wrap the model anew.
             callback._watched = model
             if hasattr(model, "register_comm_hook"):   # DDP: time its gradient all-reduces
                 callback.monitor.watch(model)

@@ -83,6 +83,7 @@ class RankscopeCallback(Callback):
             self.monitor = Monitor(device=pl_module.device, **self._options)
         self.steps = EventSteps(self.monitor)
 
+    @guarded
     def teardown(self, trainer, pl_module, stage):
         if stage != "fit" or self.monitor is None:
             return
@@ -91,6 +92,7 @@ class RankscopeCallback(Callback):
         if self._own_monitor:
             self.monitor.close()
 
+    @guarded
     def on_train_start(self, trainer, pl_module):
         if self.steps is None:
             return
