@@ -7,7 +7,8 @@ MLP on synthetic data, the module logging its gradient norm with Lightning's
 rank 1 at step NAN_STEP (its gradient stays finite, so only rank 1's loss is
 non-finite). Its node exporter is scraped while it runs by Debian's Prometheus
 with the fast rules, which page through the shipped Alertmanager routes. A
-second, shorter job raises an out-of-memory error in rank 1's training_step.
+second, shorter job raises an out-of-memory error in rank 1's training_step, a
+third hangs it.
 Each check compares what rankscope published with what Lightning itself saw
 on that rank (the script's own records).
 """
@@ -15,6 +16,7 @@ on that rank (the script's own records).
 from __future__ import annotations
 
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -30,6 +32,7 @@ LR, LR_EVERY = 0.05, 10   # StepLR: halved every 10 steps
 CHECKPOINT_EVERY = 20
 NAN_STEP, FAULT_RANK = 20, "1"
 OOM_STEP = 3
+HANG_STEP = 3
 RANKS = ("0", "1")
 
 
@@ -61,13 +64,33 @@ def _oom_job(tmp) -> Run:
         return Run({}, final_values(job), returncode=rc)
 
 
+def _hang_job(tmp) -> Run:
+    """Rank 1 never returns from training_step; the exporter (its thresholds cut to 3 s) must name it."""
+    env = {"RANKSCOPE_SUSPECT_AFTER_S": "3", "RANKSCOPE_STUCK_AFTER_S": "3"}
+    with UserJob("lightning_trainer.py", "--steps", "10", "--hang-rank", FAULT_RANK, "--hang-step", HANG_STEP,
+                 tmp_path=tmp, env=env, name="lightning-hang") as job:
+        job.start()
+        deadline = time.monotonic() + 180
+        final: dict = {}
+        while time.monotonic() < deadline and not (
+                final.get(("rankscope_hang_suspect", FAULT_RANK, "")) == 1
+                and final.get(("rankscope_rank_state", "0", "stuck_in_collective")) == 1):
+            time.sleep(0.5)
+            try:
+                final = final_values(job)
+            except OSError:   # the exporter is not up yet
+                continue
+        return Run({}, final)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Run]:
-    # The OOM job is short; it runs beside the main one (each check compares clocks of one process).
+    # The fault jobs are short; they run beside the main one (each check compares clocks of one process).
     with ThreadPoolExecutor(max_workers=2) as pool:
         main = pool.submit(_main_job, tmp_path_factory.mktemp("lightning-main"))
         oom = pool.submit(_oom_job, tmp_path_factory.mktemp("lightning-oom"))
-        return {"main": main.result(), "oom": oom.result()}
+        hang = pool.submit(_hang_job, tmp_path_factory.mktemp("lightning-hang"))
+        return {"main": main.result(), "oom": oom.result(), "hang": hang.result()}
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +182,14 @@ def test_an_oom_in_training_step_is_counted_and_the_rank_fails(runs):
     assert value(run, "rankscope_steps_total", FAULT_RANK) == OOM_STEP   # the failed step is not counted
     assert value(run, "rankscope_rank_failure_info", FAULT_RANK, "OutOfMemoryError") == 1
     assert value(run, "rankscope_rank_state", FAULT_RANK, "finished") == 0
+
+
+def test_a_hang_in_training_step_is_located(runs):
+    """Rank 1 hangs in training_step; rank 0 blocks in the step's gradient all-reduce, inside the
+    backward phase the adapter opened at on_before_backward."""
+    run = runs["hang"]
+    assert value(run, "rankscope_hang_suspect", FAULT_RANK) == 1, run.final
+    assert value(run, "rankscope_hang_suspect", "0") == 0
+    assert value(run, "rankscope_rank_state", "0", "stuck_in_collective") == 1
+    assert value(run, "rankscope_collective_in_flight", "0", "all_reduce") == 1
+    assert value(run, "rankscope_steps_total", FAULT_RANK) == HANG_STEP

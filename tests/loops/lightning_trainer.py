@@ -1,13 +1,15 @@
 """A real Lightning job with rankscope's one line: Trainer(accelerator="cpu", devices=2, strategy="ddp").
 
-    python lightning_trainer.py [--steps N] [--nan-rank R --nan-step S] [--oom-rank R --oom-step S]
+    python lightning_trainer.py [--steps N] [--checkpoint-every N]
+        [--nan-rank R --nan-step S] [--oom-rank R --oom-step S] [--hang-rank R --hang-step S]
 
 Lightning starts the second rank itself (its subprocess launcher), gloo on
 127.0.0.1. A small MLP on synthetic regression data whose collate takes
 COLLATE_S per batch; with ``--checkpoint-every N`` a checkpoint every N steps.
 On ``--nan-rank`` the loss of step ``--nan-step`` reads NaN (its gradient
 stays finite, so the other rank trains on); on ``--oom-rank`` step
-``--oom-step`` raises torch.OutOfMemoryError in training_step. Each rank
+``--oom-step`` raises torch.OutOfMemoryError in training_step; on
+``--hang-rank`` training_step of step ``--hang-step`` never returns. Each rank
 writes what Lightning itself saw to $LOOP_OUT/rank<N>.json: its global_step,
 the Timer callback's training time, its own loss and the gradient norm it
 logged (Lightning's grad_norm utility) per step.
@@ -51,19 +53,21 @@ def collate(rows):
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, nan_rank=-1, nan_step=-1, oom_rank=-1, oom_step=-1):
+    def __init__(self, nan_rank=-1, nan_step=-1, oom_rank=-1, oom_step=-1, hang_rank=-1, hang_step=-1):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(32, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
                                  nn.Linear(HIDDEN, 1))
         self.own_loss = defaultdict(float)
         self.own_grad_norm = {}
-        self.faults = (nan_rank, nan_step, oom_rank, oom_step)
+        self.faults = (nan_rank, nan_step, oom_rank, oom_step, hang_rank, hang_step)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = F.mse_loss(self.net(x), y)
-        nan_rank, nan_step, oom_rank, oom_step = self.faults
+        nan_rank, nan_step, oom_rank, oom_step, hang_rank, hang_step = self.faults
         rank, step = self.trainer.global_rank, self.trainer.global_step
+        if rank == hang_rank and step == hang_step:
+            time.sleep(3600)   # a deadlock, a stuck file system...
         if rank == oom_rank and step == oom_step:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         if rank == nan_rank and step == nan_step:
@@ -89,7 +93,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="a checkpoint every N steps")
-    for fault in ("nan", "oom"):
+    for fault in ("nan", "oom", "hang"):
         p.add_argument(f"--{fault}-rank", type=int, default=-1)
         p.add_argument(f"--{fault}-step", type=int, default=-1)
     args = p.parse_args()
@@ -100,7 +104,7 @@ def main() -> int:
     x = torch.randn(n, 32, generator=g)
     data = TensorDataset(x, x[:, :1] * 2 + 0.1 * torch.randn(n, 1, generator=g))
     loader = DataLoader(data, batch_size=BATCH, collate_fn=collate, shuffle=False)
-    module = Regression(args.nan_rank, args.nan_step, args.oom_rank, args.oom_step)
+    module = Regression(args.nan_rank, args.nan_step, args.oom_rank, args.oom_step, args.hang_rank, args.hang_step)
     timer = Timer()
     callbacks = [RankscopeCallback(), timer]
     if args.checkpoint_every:
