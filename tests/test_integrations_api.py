@@ -190,3 +190,15 @@ print("ok")
 def test_the_core_imports_no_framework_and_a_missing_one_names_its_extra():
     proc = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_the_integrations_subpackage_is_in_the_wheel():
+    """setuptools lists packages explicitly (pyproject [tool.setuptools] packages): a subpackage
+    missing there is missing from the wheel, and `import rankscope.integrations.hf` fails there."""
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    setuptools = pyproject["tool"]["setuptools"]
+    assert "rankscope.integrations" in setuptools["packages"]
+    assert set(pyproject["project"]["optional-dependencies"]) >= {"hf", "lightning"}
