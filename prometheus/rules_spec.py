@@ -330,19 +330,20 @@ ALERTS: tuple[Alert, ...] = (
           "Repeated loss spikes in run {{ $labels.run }} (rank {{ $labels.rank }})",
           "In " + WHO + ", {{ $value }} steps in the last <<loss_spike_window>> had a loss far above "
           "its rolling mean (rank-side z-score test)."),
+    # A rising LR (warm-up, a schedule's restart) explains a rising loss; a flat
+    # or falling one (a step decay, ReduceLROnPlateau, cosine) does not.
     Alert("RankscopeLossDiverging",
           "deriv(rankscope_loss{SEL}[<<loss_trend_window>>]) * <<loss_trend_window:seconds>>\n"
           "> <<loss_trend_rise_ratio>> * avg_over_time(rankscope_loss{SEL}[<<loss_trend_window>>])\n"
-          "and (max_over_time(rankscope_learning_rate{SEL}[<<loss_trend_window>>])"
-          " - min_over_time(rankscope_learning_rate{SEL}[<<loss_trend_window>>]))\n"
-          "<= <<lr_flat_tolerance_ratio>> * max_over_time(rankscope_learning_rate{SEL}[<<loss_trend_window>>])\n"
+          "and rankscope_learning_rate{SEL}\n"
+          "<= (1 + <<lr_rise_tolerance_ratio>>) * min_over_time(rankscope_learning_rate{SEL}[<<loss_trend_window>>])\n"
           # A fit over a mostly empty window extrapolates batch noise into a trend
           # (a young run's plateau "rises" by its noise x window/history).
           "and rankscope_loss{SEL} offset <<loss_trend_min_history>>",
           "warning",
-          "Loss rising in run {{ $labels.run }} with a flat learning rate",
+          "Loss rising in run {{ $labels.run }} (rank {{ $labels.rank }})",
           "In " + WHO + ", the loss rose by {{ printf `%.3g` $value }} over the last <<loss_trend_window>> "
-          "(linear fit) while the learning rate stayed flat."),
+          "(linear fit) while the learning rate did not rise (no warm-up or schedule restart explains it)."),
     # A gradient-norm explosion in a run whose loss spiked in the same window is
     # the spike's echo (DDP averages one rank's spiked gradients into every
     # rank's): LossSpikes judges it. The explosion counts on the same step as
