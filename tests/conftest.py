@@ -31,6 +31,7 @@ TESTS = Path(__file__).resolve().parent
 FAST_FILES = frozenset({
     "test_catalog.py",
     "test_collectives_units.py",
+    "test_console_units.py",
     "test_dashboards.py",
     "test_integrations_api.py",
     "test_deploy.py",
