@@ -346,7 +346,8 @@ def test_slow_steps_are_traced_above_a_floor(tmp_path, monkeypatch):
         time.sleep(0.3)  # anything else would have come in the same export
         roots = {s.attributes[ATTR_STEP]: s.attributes.get(ATTR_ANOMALY, "")
                  for s in receiver.spans() if s.name == ROOT_SPAN}
-    under_floor = durations.index(0.0008)
-    if took[under_floor] >= 0.00095:   # preempted on a loaded machine: it really took 1 ms, so it may be traced
-        roots.pop(under_floor, None)
-    assert roots == {0: "", durations.index(0.0015): "slow_step"}, (roots, took[under_floor])
+    # A step preempted on a loaded machine really took a millisecond or more, so it
+    # may be traced as slow: judge only the steps that ran as meant.
+    preempted = {i for i, t in enumerate(took) if t >= 0.00095 and durations[i] < 0.001}
+    judged = {step: anomaly for step, anomaly in roots.items() if step not in preempted}
+    assert judged == {0: "", durations.index(0.0015): "slow_step"}, (roots, sorted(preempted))
