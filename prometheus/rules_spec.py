@@ -182,8 +182,21 @@ NODE_LOST = (
 # waited in a collective for collective_behind_wait_seconds, and which waits in
 # no collective itself (a rank blocked elsewhere, by the culprit, is a victim),
 # has stepped no more for as long, and is not frozen (RankFrozen says more).
+# Written out from the raw series rather than through the recording rules, so that
+# the alert group needs no recording-group evaluation first: it can go pending one
+# scrape and one evaluation after the peers' wait crosses the bar.
+IN_FLIGHT_SECONDS = "(time() - (rankscope_process_group_in_flight_started_timestamp_seconds{SEL} > 0))"
+SEQ_BEHIND = (
+    "(\n"
+    "  max by (run, group, group_id) (rankscope_process_group_last_enqueued_seq{SEL})\n"
+    "  - on (run, group, group_id) group_right ()\n"
+    "  rankscope_process_group_last_enqueued_seq{SEL}\n"
+    ") > 0\n"
+    f"and on (run, group_id) (max by (run, group, group_id) {IN_FLIGHT_SECONDS}"
+    " > <<collective_behind_wait_seconds>>)\n"
+    f"unless on (run, rank) ({IN_FLIGHT_SECONDS} > <<collective_behind_wait_seconds>>)")
 COLLECTIVE_BEHIND = (
-    "rank_group:rankscope_process_group_seq:behind\n"
+    "(\n  " + SEQ_BEHIND.replace("\n", "\n  ") + "\n)\n"
     "and on (run, rank) (rankscope_step_stalled_seconds{SEL} > <<collective_behind_wait_seconds>>)\n"
     "unless on (run, rank) (rankscope_rank_state{SEL,state=\"frozen\"} == 1)")
 
@@ -294,16 +307,7 @@ RECORDING_RULES: tuple[Record, ...] = (
            "max by (run, group, group_id) (rank_group_op:rankscope_process_group_in_flight:seconds)"),
     # Collectives a rank is behind its group's front while a peer of the group
     # has waited past the bar and the rank itself waits in nothing that long.
-    Record("rank_group:rankscope_process_group_seq:behind",
-           "(\n"
-           "  group:rankscope_process_group_last_enqueued_seq:max\n"
-           "  - on (run, group, group_id) group_right ()\n"
-           "  rankscope_process_group_last_enqueued_seq{SEL}\n"
-           ") > 0\n"
-           "and on (run, group_id) (group:rankscope_process_group_in_flight:max_seconds"
-           " > <<collective_behind_wait_seconds>>)\n"
-           "unless on (run, rank) (rank_group_op:rankscope_process_group_in_flight:seconds"
-           " > <<collective_behind_wait_seconds>>)"),
+    Record("rank_group:rankscope_process_group_seq:behind", SEQ_BEHIND),
     # ---- causes present in a run (1 per cause): their victims are not blamed ---
     cause("rank_down", "RankscopeRankDown", RANK_DOWN),
     cause("node_lost", "RankscopeNodeLost", NODE_LOST),

@@ -175,8 +175,9 @@ def test_hang_on_node_b_pages_naming_its_rank_node_group_and_op(mode, fast_rules
     latency = active - (started + WAIT_S)
     print(f"{mode}: CollectiveBehind pending {latency:.2f} s after the peers' wait crossed {WAIT_S:.0f} s; "
           f"firing after the rule's for:")
-    # Pending within 2 scrapes (+ 1 rule evaluation) of the crossing; firing `for:` later.
-    assert latency <= 2 * SCRAPE_S + SCRAPE_S, latency
+    # Pending within 2 scrape intervals of the crossing (a scrape, then an evaluation), plus one
+    # interval for a late scrape or evaluation on this shared 2-core machine; firing `for:` later.
+    assert latency <= 3 * SCRAPE_S, latency
     assert others == [], [o["labels"] for o in others]
 
 
