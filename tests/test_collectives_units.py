@@ -246,3 +246,17 @@ def test_a_poll_reads_entries_only_when_half_the_ring_is_new():
         rec.collective()
     reader.poll()                              # 5 new: read
     assert count.value == 11 and drops == []
+
+
+def test_durations_still_pending_when_overwritten_are_given_up():
+    rec, reader, sink, drops, errors = make()
+    rec.size = 3
+    rec.collective(op="nccl:all_reduce")           # not completed when read: its duration is pending
+    reader.poll()
+    assert list(reader._pending_duration) == [0]
+    for _ in range(5):                             # overwritten in the ring meanwhile
+        rec.collective(op="nccl:all_reduce", time_discovered_completed_ns=1)
+    reader.poll()
+    assert reader._pending_duration == {}
+    assert sink.children[("count", "default", "0", "all_reduce")].value == 1 + 3
+    assert drops == [("flight_recorder", 2)]

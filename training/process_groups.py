@@ -348,6 +348,9 @@ class ProcessGroupReader:
             return begin
         first = min(self._pending_duration, default=self._last_record + 1)
         at = body.find(b'"record_id":%d,' % first, begin)
+        if at < 0 and self._pending_duration:   # overwritten before their durations came: give up on them
+            self._pending_duration.clear()
+            at = body.find(b'"record_id":%d,' % (self._last_record + 1), begin)
         if at >= 0:
             return body.rfind(_ENTRY_START, begin, at)
         last = body.rfind(b'"record_id":')
