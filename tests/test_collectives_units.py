@@ -260,3 +260,27 @@ def test_durations_still_pending_when_overwritten_are_given_up():
     assert reader._pending_duration == {}
     assert sink.children[("count", "default", "0", "all_reduce")].value == 1 + 3
     assert drops == [("flight_recorder", 2)]
+
+
+@pytest.mark.integration
+def test_collective_timing_is_turned_on_for_every_process_group(monkeypatch):
+    """RANKSCOPE_COLLECTIVE_TIMING=1: each group, once (gloo accepts the call and records no durations)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from tests.helpers.jobs import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        calls = []
+        monkeypatch.setattr(type(dist.group.WORLD), "_enable_collectives_timing", lambda pg: calls.append(pg))
+        rec, reader, sink, drops, errors = make()
+        reader._timing = True
+        reader.poll()
+        sub = dist.new_group([0])
+        reader.poll()
+        reader.poll()
+        assert calls == [dist.group.WORLD, sub] and errors == []
+        assert set(distributed_c10d._world.pg_names.values()) == reader._timed_groups
+    finally:
+        dist.destroy_process_group()

@@ -289,7 +289,8 @@ def _process_group_reader(monitor: Monitor, interval_s: float):
                               lambda: errors.error("collectives"),
                               FlightRecorderSource(monitor.run_dir, monitor.identity.rank), max_groups, interval_s,
                               on_in_flight=FlightRecorder(monitor.run_dir, monitor.identity.rank,
-                                                          monitor.config.flight_recorder_after_s).check)
+                                                          monitor.config.flight_recorder_after_s).check,
+                              timing=env_value(os.environ, "RANKSCOPE_COLLECTIVE_TIMING", bool, False))
 
 
 def _cuda_event_factory(device: Any):

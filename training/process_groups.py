@@ -197,7 +197,7 @@ class ProcessGroupReader:
     def __init__(self, metrics: Any, drop: Callable[..., None], error: Callable[[], None], source: Any,
                  max_groups: int, interval_s: float, entries_every_s: float = ENTRIES_EVERY_S,
                  initialized: Callable[[], bool] | None = None,
-                 on_in_flight: Callable[[float], None] | None = None):
+                 on_in_flight: Callable[[float], None] | None = None, timing: bool = False):
         self._m = metrics
         self._drop = drop
         self._error = error
@@ -207,6 +207,8 @@ class ProcessGroupReader:
         self._entries_every_s = entries_every_s
         self._initialized = initialized or _dist_initialized
         self._on_in_flight = on_in_flight   # called with the oldest enqueue time in flight (flight-recorder dump)
+        self._timing = timing               # turn on each process group's collective timing (NCCL durations)
+        self._timed_groups: set[str] = set()
         self.groups: dict[str, Group] = {}          # pg_id -> Group
         self._refused: set[str] = set()             # pg_ids over the budget
         self._last_record = -1                      # record_id of the last entry counted
@@ -247,6 +249,8 @@ class ProcessGroupReader:
         try:
             if not self._initialized():
                 return
+            if self._timing:
+                self._enable_timing()
             status = self._status = self._source.status()
             if not status:
                 self._warn_if_recorder_off()
@@ -275,6 +279,17 @@ class ProcessGroupReader:
         if since < self._entries_every_s:
             return False
         return since >= ENTRIES_AT_MOST_EVERY_S or self._ring <= 0 or new_collectives >= RING_SHARE * self._ring
+
+    def _enable_timing(self) -> None:
+        """RANKSCOPE_COLLECTIVE_TIMING=1: every process group times its collectives (NCCL: two CUDA
+        events each, read by NCCL's watchdog into the recorder's duration_ms). Groups created since
+        the last poll get it now; their first collectives may go untimed."""
+        from torch.distributed import distributed_c10d
+
+        for pg, name in list(distributed_c10d._world.pg_names.items()):
+            if name not in self._timed_groups:
+                self._timed_groups.add(name)
+                pg._enable_collectives_timing()
 
     def _warn_if_recorder_off(self) -> None:
         size = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")

@@ -138,12 +138,13 @@ def test_fsdp2_counts_and_durations_from_the_flight_recorder(nccl_group, monitor
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
     model = monitor.watch(fully_shard(model))
-    # Per-collective device durations in the flight recorder (docs/collectives.md: opt-in, it can cost
-    # compute/communication overlap under CUDA_DEVICE_MAX_CONNECTIONS=1).
-    dist.group.WORLD._enable_collectives_timing()
+    # Per-collective device durations in the flight recorder: what RANKSCOPE_COLLECTIVE_TIMING=1 turns on
+    # (docs/collectives.md: opt-in, it can cost compute/communication overlap under CUDA_DEVICE_MAX_CONNECTIONS=1).
+    reader = monitor.process_groups
+    reader._timing = True
+    reader.poll()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = torch.randn(256, 1024, device="cuda"), torch.randn(256, 1024, device="cuda")
-    reader = monitor.process_groups
 
     def counts() -> dict[str, float]:
         reader.poll(final=True)
