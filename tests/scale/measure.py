@@ -1,0 +1,218 @@
+"""Measure one Prometheus 2.42 over the scale simulator, with the shipped rules.
+
+    .venv/bin/python -m tests.scale.measure --nodes 256 --out docs/scaling/256.json
+
+Starts the simulator (N nodes x 8 ranks, see simulator.py), Debian's real
+Prometheus (scrape and evaluation every 15 s, production thresholds, every
+``for:`` production except RankscopeStraggler's 10m, cut by ``--straggler-for``
+so a measurement fits in minutes), the shipped Alertmanager config pointed at a
+webhook recorder, and then reports:
+
+- head series, samples appended per second, Prometheus RSS (from its /metrics);
+- ``prometheus_rule_group_last_duration_seconds`` per group, against the interval;
+- the wall time of every dashboard query over a 1 h range at a 15 s step, the
+  variables resolved as Grafana would (run = the straggler's run, every other
+  variable "All");
+- which rank each of the three injected faults paged with (NaN, straggler, hang).
+
+Note: the TSDB holds only the minutes the measurement ran, so a 1 h range
+query reads those minutes, not a full hour of samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from prometheus import generate
+from tests.helpers.paging import alertmanager_config
+from tests.helpers.promstack import AlertmanagerServer, PrometheusServer, WebhookReceiver, firing_alerts
+from tests.test_dashboard_queries import all_targets, all_variable_queries, interpolate, DASHBOARDS
+
+ROOT = Path(__file__).resolve().parents[2]
+INTERVAL_S = 15
+FAULT_ALERTS = {"nan": "RankscopeNonFiniteLoss", "straggler": "RankscopeStraggler", "hang": "RankscopeHangSuspect"}
+BUILTINS = {"__rate_interval": f"{4 * INTERVAL_S}s", "__interval": f"{INTERVAL_S}s",
+            "__interval_ms": str(INTERVAL_S * 1000), "__range": "1h"}
+
+
+def prom_metrics(prom: PrometheusServer) -> dict[str, list[tuple[dict, float]]]:
+    """Prometheus's own /metrics, parsed."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(prom.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[str, list[tuple[dict, float]]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def one(metrics: dict, name: str) -> float:
+    return metrics[name][0][1]
+
+
+def label_values(prom: PrometheusServer, query: str, values: dict[str, str], start: float, end: float) -> list[str]:
+    import re
+    m = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", query.strip())
+    selector, label = interpolate(m.group(1), values), m.group(2)
+    return prom.api(f"label/{label}/values", **{"match[]": selector, "start": str(start), "end": str(end)})
+
+
+def dashboard_latencies(prom: PrometheusServer, run: str, end: float) -> list[dict]:
+    """Every panel query over [end - 1h, end], timed; variables as Grafana resolves them (others "All")."""
+    start = end - 3600
+    results = []
+    resolved: dict[str, dict[str, str]] = {}
+    for uid, d in DASHBOARDS.items():
+        values = dict(BUILTINS)
+        t0 = time.perf_counter()
+        for v in d["templating"]["list"]:
+            if v["type"] == "datasource":
+                values[v["name"]] = v["current"]["value"]
+            elif v["type"] == "query":
+                found = label_values(prom, v["query"]["query"], values, start, end)
+                values[v["name"]] = run if v["name"] == "run" else v.get("allValue") or ".*"
+        resolved[uid] = values
+        results.append({"dashboard": uid, "query": "(variables)", "seconds": time.perf_counter() - t0,
+                        "series": None, "error": None})
+    for t in all_targets():
+        expr = interpolate(t.expr, resolved[t.uid])
+        t0 = time.perf_counter()
+        error, n = None, 0
+        try:
+            if t.instant:
+                data = prom.api("query", query=expr, time=str(end))
+            else:
+                data = prom.api("query_range", query=expr, start=str(start), end=str(end), step=str(INTERVAL_S))
+            n = len(data["result"])
+        except Exception as e:  # noqa: BLE001 - recorded, reported
+            error = repr(e)[:300]
+        results.append({"dashboard": t.uid, "query": f"{t.panel}/{t.ref}", "seconds": time.perf_counter() - t0,
+                        "series": n, "error": error})
+    return results
+
+
+def pages(hook: WebhookReceiver) -> dict[str, set[tuple[str, str, str]]]:
+    """alertname -> {(receiver path, run, rank)} delivered firing."""
+    out: dict[str, set] = {}
+    for d in hook.snapshot():
+        for a in firing_alerts(d):
+            lab = a["labels"]
+            out.setdefault(lab["alertname"], set()).add((d.path, lab.get("run", ""), lab.get("rank", "")))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, required=True)
+    ap.add_argument("--processes", type=int, default=2, help="simulator server processes")
+    ap.add_argument("--fault-after", type=float, default=180.0, help="seconds before the NaN and the hang start")
+    ap.add_argument("--straggler-for", default="1m", help="RankscopeStraggler's for: (production: 10m)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="give up waiting for the pages after this")
+    ap.add_argument("--out", type=Path, help="write the measurement (JSON) here")
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop every server started here
+
+    work = Path(tempfile.mkdtemp(prefix="rankscope-scale-"))
+    override = work / "override.yaml"
+    override.write_text(yaml.safe_dump({"for": {"RankscopeStraggler": args.straggler_for}}))
+    rules_dir = work / "rules"
+    generate.main(["--override", str(override), "--out", str(rules_dir)])
+    rules = [rules_dir / generate.RECORDING_FILE, rules_dir / generate.ALERTS_FILE]
+    targets_file, manifest_file = work / "targets.json", work / "manifest.json"
+    sim_cmd = [sys.executable, "-m", "tests.scale.simulator", "--nodes", str(args.nodes),
+               "--processes", str(args.processes),
+               "--fault-after", str(args.fault_after), "--targets", str(targets_file),
+               "--manifest", str(manifest_file)]
+    report: dict = {"nodes": args.nodes, "ranks": args.nodes * 8, "interval_s": INTERVAL_S,
+                    "straggler_for": args.straggler_for, "command": " ".join(["python -m tests.scale.measure", *sys.argv[1:]] if argv is None else argv)}
+    with contextlib.ExitStack() as stack:
+        sim = subprocess.Popen(sim_cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        stack.callback(lambda: (sim.terminate(), sim.wait(10)))
+        manifest = json.loads(sim.stdout.readline())
+        faults = manifest["faults"]
+        print(f"simulator pid {sim.pid}: {args.nodes} nodes on ports {manifest['ports']}; faults {faults}", flush=True)
+        hook = stack.enter_context(WebhookReceiver())
+        am = stack.enter_context(AlertmanagerServer(config_text=alertmanager_config(hook)))
+        config = PrometheusServer.build_config(rule_files=rules, alertmanager=am.address,
+                                               scrape_interval=f"{INTERVAL_S}s", evaluation_interval=f"{INTERVAL_S}s")
+        config["global"]["scrape_timeout"] = "10s"
+        config["scrape_configs"] = [{"job_name": "rankscope",
+                                     "file_sd_configs": [{"files": [str(targets_file)]}]}]
+        prom = stack.enter_context(PrometheusServer(config=config))
+        print(f"prometheus pid {prom.proc.pid} at {prom.url}", flush=True)
+        deadline = time.monotonic() + args.timeout
+        want = {kind: (f["run"], str(f["rank"])) for kind, f in faults.items()}
+        samples_t0 = None
+        peak_rss = 0.0
+        while time.monotonic() < deadline:
+            time.sleep(INTERVAL_S)
+            m = prom_metrics(prom)
+            peak_rss = max(peak_rss, one(m, "process_resident_memory_bytes"))
+            got = pages(hook)
+            named = {kind: {(run, rank) for _, run, rank in got.get(FAULT_ALERTS[kind], set())} for kind in want}
+            print(f"{time.strftime('%H:%M:%S')} head={one(m, 'prometheus_tsdb_head_series'):.0f} "
+                  f"rss={one(m, 'process_resident_memory_bytes') / 2**30:.2f}GiB load={os.getloadavg()[0]:.1f} "
+                  f"pages={ {k: sorted(v) for k, v in named.items()} }", flush=True)
+            if all(want[k] in named[k] for k in want):
+                break
+        # Let the rules run a few more rounds at full size before reading their durations.
+        time.sleep(2 * INTERVAL_S)
+        m = prom_metrics(prom)
+        appended = one(m, "prometheus_tsdb_head_samples_appended_total")
+        t1 = time.time()
+        time.sleep(2 * INTERVAL_S)
+        m2 = prom_metrics(prom)
+        report["samples_per_second"] = (one(m2, "prometheus_tsdb_head_samples_appended_total") - appended) / (time.time() - t1)
+        report["head_series"] = one(m2, "prometheus_tsdb_head_series")
+        report["rss_bytes"] = one(m2, "process_resident_memory_bytes")
+        report["peak_rss_bytes"] = max(peak_rss, report["rss_bytes"])
+        report["rule_groups"] = {labels["rule_group"].split(";")[-1]: v
+                                 for labels, v in m2["prometheus_rule_group_last_duration_seconds"]}
+        scrape = prom.query('max(scrape_duration_seconds{job="rankscope"})')
+        report["max_scrape_seconds"] = float(scrape[0]["value"][1]) if scrape else None
+        report["targets_up"] = float(prom.query('sum(up{job="rankscope"})')[0]["value"][1])
+        report["load_during"] = os.getloadavg()
+        got = pages(hook)
+        report["faults"] = {}
+        for kind, (run, rank) in want.items():
+            named = sorted({(r, k) for _, r, k in got.get(FAULT_ALERTS[kind], set())})
+            report["faults"][kind] = {"alert": FAULT_ALERTS[kind], "want": [run, rank], "paged": named,
+                                      "ok": named == [(run, rank)]}
+        report["other_pages"] = sorted(f"{a} {r}/{k} via {p}" for a, v in got.items()
+                                       if a not in FAULT_ALERTS.values() for p, r, k in v)
+        report["load_before_queries"] = os.getloadavg()
+        lat = dashboard_latencies(prom, faults["straggler"]["run"], time.time())
+        report["dashboard_queries"] = lat
+        secs = [q["seconds"] for q in lat if q["query"] != "(variables)"]
+        report["dashboard_summary"] = {"queries": len(secs), "median_s": statistics.median(secs),
+                                       "p90_s": sorted(secs)[int(0.9 * (len(secs) - 1))], "max_s": max(secs),
+                                       "slowest": sorted(lat, key=lambda q: -q["seconds"])[:5],
+                                       "errors": [q for q in lat if q["error"]],
+                                       "empty": [f"{q['dashboard']}/{q['query']}" for q in lat if q["series"] == 0]}
+    report["load_after"] = os.getloadavg()
+    text = json.dumps(report, indent=1, default=list)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    summary = {k: v for k, v in report.items() if k not in ("dashboard_queries",)}
+    print(json.dumps(summary, indent=1, default=list))
+    return 0 if all(f["ok"] for f in report["faults"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
