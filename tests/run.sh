@@ -18,14 +18,15 @@ elif [ "${1:-}" = "--matrix" ]; then
     shift
     tier=(-m matrix)
 fi
+# victoria-metrics (vmagent, vmalert): tests/test_scale_victoriametrics.py (issue 16).
 if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null \
-        || ! command -v amtool >/dev/null; then
+        || ! command -v amtool >/dev/null || ! command -v vmagent >/dev/null; then
     if [ "$(id -u)" = 0 ]; then
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-            prometheus prometheus-alertmanager >/dev/null
+            prometheus prometheus-alertmanager victoria-metrics >/dev/null
     else
-        echo "tests need Debian's prometheus and prometheus-alertmanager: sudo apt-get install prometheus prometheus-alertmanager" >&2
+        echo "tests need Debian's prometheus, prometheus-alertmanager and victoria-metrics: sudo apt-get install prometheus prometheus-alertmanager victoria-metrics" >&2
         exit 1
     fi
 fi
