@@ -246,6 +246,9 @@ def test_a_poll_reads_entries_only_when_half_the_ring_is_new():
         rec.collective()
     reader.poll()                              # 5 new: read
     assert count.value == 11 and drops == []
+    rec.collective(pg_id=1, name="1", desc="mesh_tp")
+    reader.poll()                              # a group not known yet: read at once, for its labels
+    assert sink.children[("enqueued", "tp", "1")].value == 1
 
 
 def test_durations_still_pending_when_overwritten_are_given_up():

@@ -257,7 +257,9 @@ class ProcessGroupReader:
             stuck = self._note_status(status)
             now = time.monotonic()
             enqueued = sum(int(st.get("last_enqueued_collective", -1)) + 1 for st in status.values())
-            if final or stuck or self._read_due(now, enqueued - self._enqueued_at_read):
+            # A group not known yet has no labels: its sequence numbers wait for its entries.
+            unknown = any(pg_id not in self.groups and pg_id not in self._refused for pg_id in status)
+            if final or stuck or self._read_due(now, enqueued - self._enqueued_at_read, unknown):
                 self._last_entries, self._enqueued_at_read = now, enqueued
                 try:   # without entries the sequence numbers are still published
                     self._read_entries()
@@ -269,7 +271,7 @@ class ProcessGroupReader:
         finally:
             self._lock.release()
 
-    def _read_due(self, now: float, new_collectives: int) -> bool:
+    def _read_due(self, now: float, new_collectives: int, unknown_group: bool = False) -> bool:
         """Serialising the ring costs the same however few entries are new (about 10 us an entry,
         on torch's thread): read once about half of it is new, as the groups' sequence numbers
         count, but no closer than entries_every_s and no further than ENTRIES_AT_MOST_EVERY_S apart.
@@ -278,7 +280,8 @@ class ProcessGroupReader:
         since = now - self._last_entries
         if since < self._entries_every_s:
             return False
-        return since >= ENTRIES_AT_MOST_EVERY_S or self._ring <= 0 or new_collectives >= RING_SHARE * self._ring
+        return (since >= ENTRIES_AT_MOST_EVERY_S or self._ring <= 0 or unknown_group
+                or new_collectives >= RING_SHARE * self._ring)
 
     def _enable_timing(self) -> None:
         """RANKSCOPE_COLLECTIVE_TIMING=1: every process group times its collectives (NCCL: two CUDA
