@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         report["peak_rss_bytes"] = max(peak_rss, report["rss_bytes"])
         report["rule_groups"] = {labels["rule_group"].split(";")[-1]: v
                                  for labels, v in m2["prometheus_rule_group_last_duration_seconds"]}
+        report["slowest_rules"] = sorted(
+            ({"group": g["name"], "rule": r.get("name"), "seconds": r.get("evaluationTime", 0.0)}
+             for g in prom.rules() for r in g["rules"]), key=lambda r: -r["seconds"])[:10]
         scrape = prom.query('max(scrape_duration_seconds{job="rankscope"})')
         report["max_scrape_seconds"] = float(scrape[0]["value"][1]) if scrape else None
         report["targets_up"] = float(prom.query('sum(up{job="rankscope"})')[0]["value"][1])

@@ -1,0 +1,40 @@
+"""Print docs/scaling.md's tables from the measurements' JSON (tests/scale/measure.py --out).
+
+    python -m tests.scale.table docs/scaling/prometheus-*.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def main(paths: list[str]) -> int:
+    rows = sorted((json.loads(Path(p).read_text()) for p in paths), key=lambda r: r["nodes"])
+    print("| nodes x 8 | head series | samples/s | RSS (peak) | recording group | alerts group "
+          "| max scrape | dashboard queries: median / p90 / max | faults paged (rank) | load (1 min) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        g = r["rule_groups"]
+        iv = r["interval_s"]
+        d = r["dashboard_summary"]
+        faults = ", ".join(f"{k} {'ok' if f['ok'] else 'WRONG'} ({'/'.join(map(str, f['want']))}"
+                           f"{'' if f['ok'] else ' got ' + str(f['paged'])})" for k, f in r["faults"].items())
+        group = lambda name: f"{g[name]:.2f} s ({100 * g[name] / iv:.0f}%)" if name in g else "-"
+        print(f"| {r['nodes']} x 8 = {r['ranks']} | {r['head_series']:,.0f} | {r['samples_per_second']:,.0f} "
+              f"| {r['rss_bytes'] / 2**30:.2f} GiB ({r['peak_rss_bytes'] / 2**30:.2f}) "
+              f"| {group('rankscope.recording')} | {group('rankscope.alerts')} "
+              f"| {r['max_scrape_seconds']:.2f} s | {d['median_s']:.2f} / {d['p90_s']:.2f} / {d['max_s']:.2f} s "
+              f"({d['queries']}, {len(d['errors'])} errors) | {faults} | {r['load_during'][0]:.1f} |")
+    print()
+    for r in rows:
+        print(f"{r['nodes']} nodes, slowest rules: " + ", ".join(
+            f"{x['rule']} {x['seconds']:.2f} s" for x in r.get("slowest_rules", [])[:6]))
+        print(f"{r['nodes']} nodes, slowest dashboard queries: " + ", ".join(
+            f"{x['dashboard']}/{x['query']} {x['seconds']:.2f} s" for x in r["dashboard_summary"]["slowest"][:3]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
