@@ -159,10 +159,15 @@ def main(argv: list[str] | None = None) -> int:
         want = {kind: (f["run"], str(f["rank"])) for kind, f in faults.items()}
         samples_t0 = None
         peak_rss = 0.0
+        group_samples: list[dict] = []
         while time.monotonic() < deadline:
             time.sleep(INTERVAL_S)
             m = prom_metrics(prom)
             peak_rss = max(peak_rss, one(m, "process_resident_memory_bytes"))
+            # One reading of a group's last duration is noisy on a shared machine: keep them all.
+            group_samples.append({"load": os.getloadavg()[0], **{
+                labels["rule_group"].split(";")[-1]: v
+                for labels, v in m.get("prometheus_rule_group_last_duration_seconds", [])}})
             got = pages(hook)
             named = {kind: {(run, rank) for _, run, rank in got.get(FAULT_ALERTS[kind], set())} for kind in want}
             print(f"{time.strftime('%H:%M:%S')} head={one(m, 'prometheus_tsdb_head_series'):.0f} "
@@ -183,6 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         report["peak_rss_bytes"] = max(peak_rss, report["rss_bytes"])
         report["rule_groups"] = {labels["rule_group"].split(";")[-1]: v
                                  for labels, v in m2["prometheus_rule_group_last_duration_seconds"]}
+        group_samples.append({"load": os.getloadavg()[0], **report["rule_groups"]})
+        report["rule_group_samples"] = group_samples
+        report["rule_group_stats"] = {
+            g: {"median_s": statistics.median(v), "max_s": max(v), "samples": len(v)}
+            for g in report["rule_groups"]
+            for v in [[x[g] for x in group_samples if x.get(g)]] if v}
+        report["missed_iterations"] = {labels["rule_group"].split(";")[-1]: v
+                                       for labels, v in m2.get("prometheus_rule_group_iterations_missed_total", [])}
         report["slowest_rules"] = sorted(
             ({"group": g["name"], "rule": r.get("name"), "seconds": r.get("evaluationTime", 0.0)}
              for g in prom.rules() for r in g["rules"]), key=lambda r: -r["seconds"])[:10]

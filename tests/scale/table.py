@@ -21,7 +21,17 @@ def main(paths: list[str]) -> int:
         d = r["dashboard_summary"]
         faults = ", ".join(f"{k} {'ok' if f['ok'] else 'WRONG'} ({'/'.join(map(str, f['want']))}"
                            f"{'' if f['ok'] else ' got ' + str(f['paged'])})" for k, f in r["faults"].items())
-        group = lambda name: f"{g[name]:.2f} s ({100 * g[name] / iv:.0f}%)" if name in g else "-"
+        stats = r.get("rule_group_stats", {})
+
+        def group(name: str) -> str:
+            if name not in g:
+                return "-"
+            last = f"{g[name]:.2f} s ({100 * g[name] / iv:.0f}%)"
+            if name in stats:  # median and max of the readings every 15 s while the faults paged
+                st = stats[name]
+                return (f"{last}; median {st['median_s']:.2f} s ({100 * st['median_s'] / iv:.0f}%), "
+                        f"max {st['max_s']:.2f} s ({100 * st['max_s'] / iv:.0f}%)")
+            return last
         print(f"| {r['nodes']} x 8 = {r['ranks']} | {r['head_series']:,.0f} | {r['samples_per_second']:,.0f} "
               f"| {r['rss_bytes'] / 2**30:.2f} GiB ({r['peak_rss_bytes'] / 2**30:.2f}) "
               f"| {group('rankscope.recording')} | {group('rankscope.alerts')} "
