@@ -185,7 +185,12 @@ NODE_LOST = (
 # Written out from the raw series rather than through the recording rules, so that
 # the alert group needs no recording-group evaluation first: it can go pending one
 # scrape and one evaluation after the peers' wait crosses the bar.
-IN_FLIGHT_SECONDS = "(time() - (rankscope_process_group_in_flight_started_timestamp_seconds{SEL} > 0))"
+# The wait as of the scrape (the sample's timestamp), as the exporter computes
+# rankscope_collective_in_flight_seconds: measured on one clock, the same hang
+# never crosses this bar before HangSuspect's, which then keeps this alert quiet.
+IN_FLIGHT_SECONDS = ("((timestamp(rankscope_process_group_in_flight_started_timestamp_seconds{SEL})"
+                     " - rankscope_process_group_in_flight_started_timestamp_seconds{SEL})"
+                     " and (rankscope_process_group_in_flight_started_timestamp_seconds{SEL} > 0))")
 SEQ_BEHIND = (
     "(\n"
     "  max by (run, group, group_id) (rankscope_process_group_last_enqueued_seq{SEL})\n"
@@ -401,7 +406,9 @@ ALERTS: tuple[Alert, ...] = (
     # names the cause, it stays quiet: one page per hang.
     Alert("RankscopeCollectiveBehind",
           "(\n  " + _indent(COLLECTIVE_BEHIND) + "\n)\n"
-          "unless on (run) run:rankscope_cause:present{cause=~\"rank_down|node_lost|hang_suspect|frozen\"}",
+          "unless on (run) run:rankscope_cause:present{cause=~\"rank_down|node_lost|hang_suspect|frozen\"}\n"
+          # HangSuspect's condition itself, in the same evaluation: the cause record lags one.
+          "unless on (run) (\n  " + _indent(HANG_SUSPECT) + "\n)",
           "critical",
           "Run {{ $labels.run }} hangs in process group {{ $labels.group }}: rank {{ $labels.rank }} "
           "on node {{ $labels.node }} is behind",
