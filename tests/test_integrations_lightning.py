@@ -7,7 +7,7 @@ MLP on synthetic data, the module logging its gradient norm with Lightning's
 rank 1 at step NAN_STEP (its gradient stays finite, so only rank 1's loss is
 non-finite). Its node exporter is scraped while it runs by Debian's Prometheus
 with the fast rules, which page through the shipped Alertmanager routes. A
-second, shorter job raises an out-of-memory error in rank 1's training_step, a
+second, shorter job (watched by the same stack) raises an out-of-memory error in rank 1's training_step, a
 third hangs it.
 Each check compares what rankscope published with what Lightning itself saw
 on that rank (the script's own records).
@@ -58,10 +58,15 @@ def _main_job(tmp) -> Run:
 
 
 def _oom_job(tmp) -> Run:
-    with UserJob("lightning_trainer.py", "--steps", "10", "--oom-rank", FAULT_RANK, "--oom-step", OOM_STEP,
-                 tmp_path=tmp, name="lightning-oom") as job:
-        rc = job.run(timeout=180, check=False)
-        return Run({}, final_values(job), returncode=rc)
+    rules = render_fast_rules(tmp / "rules")
+    job = UserJob("lightning_trainer.py", "--steps", "10", "--oom-rank", FAULT_RANK, "--oom-step", OOM_STEP,
+                  tmp_path=tmp, name="lightning-oom")
+    with PagedJob(job, rules) as paged:
+        rc = job.wait(timeout=180, check=False)
+        final = final_values(job)
+        delivery = paged.wait_for_page("RankscopeOutOfMemory", rank=FAULT_RANK)
+        page = next(a for a in delivery.alerts if a["labels"].get("rank") == FAULT_RANK)
+        return Run({}, final, page, returncode=rc)
 
 
 def _hang_job(tmp) -> Run:
@@ -175,13 +180,14 @@ def test_nan_loss_on_rank_1_pages_naming_rank_1(run):
     assert {a["labels"]["rank"] for a in run.nonfinite_pages} == {FAULT_RANK}
 
 
-def test_an_oom_in_training_step_is_counted_and_the_rank_fails(runs):
+def test_an_oom_in_training_step_is_counted_paged_and_the_rank_fails(runs):
     run = runs["oom"]
     assert run.returncode != 0
     assert value(run, "rankscope_oom_total", FAULT_RANK) == 1
     assert value(run, "rankscope_steps_total", FAULT_RANK) == OOM_STEP   # the failed step is not counted
     assert value(run, "rankscope_rank_failure_info", FAULT_RANK, "OutOfMemoryError") == 1
     assert value(run, "rankscope_rank_state", FAULT_RANK, "finished") == 0
+    assert run.page["labels"]["alertname"] == "RankscopeOutOfMemory"   # paged through Prometheus + Alertmanager
 
 
 def test_a_hang_in_training_step_is_located(runs):
