@@ -6,7 +6,7 @@ dataset, gradient accumulation 2, one checkpoint, and a NaN loss on rank 1 at
 step NAN_STEP (its gradient stays finite, so only rank 1's loss is non-finite).
 Its node exporter is scraped while it runs by Debian's Prometheus with the
 fast rules, which page through the shipped Alertmanager routes. A second,
-shorter job (watched by the same stack) raises an out-of-memory error in rank 1's forward, a third hangs it. Each check
+shorter job (watched by a stack of its own) raises an out-of-memory error in rank 1's forward, a third hangs it. Each check
 compares what rankscope published with what the Trainer itself saw on that
 rank (the script's own records).
 """

@@ -7,7 +7,7 @@ MLP on synthetic data, the module logging its gradient norm with Lightning's
 rank 1 at step NAN_STEP (its gradient stays finite, so only rank 1's loss is
 non-finite). Its node exporter is scraped while it runs by Debian's Prometheus
 with the fast rules, which page through the shipped Alertmanager routes. A
-second, shorter job (watched by the same stack) raises an out-of-memory error in rank 1's training_step, a
+second, shorter job (watched by a stack of its own) raises an out-of-memory error in rank 1's training_step, a
 third hangs it.
 Each check compares what rankscope published with what Lightning itself saw
 on that rank (the script's own records).
