@@ -18,8 +18,9 @@ optimizer step (``trainer.global_step``):
     on_save_checkpoint                                  -> a checkpoint save
     on_exception                                        -> the step ends with the exception (an OOM is counted)
 
-Works with ``lightning`` (``import lightning.pytorch``) or the older
-``pytorch_lightning`` package, whichever is installed (``lightning`` first).
+Built on ``lightning`` (``import lightning.pytorch``), or on the older
+``pytorch_lightning`` package where ``lightning`` is not installed (CI tests
+``lightning`` only).
 """
 
 from __future__ import annotations
