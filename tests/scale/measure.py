@@ -39,7 +39,8 @@ import yaml
 
 from prometheus import generate
 from tests.helpers.paging import alertmanager_config
-from tests.helpers.promstack import AlertmanagerServer, PrometheusServer, WebhookReceiver, firing_alerts
+from tests.helpers.promstack import (AlertmanagerServer, PrometheusServer, WebhookReceiver, firing_alerts,
+                                     http_get_json)
 from tests.test_dashboard_queries import all_targets, all_variable_queries, interpolate, DASHBOARDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,11 +66,22 @@ def one(metrics: dict, name: str) -> float:
     return metrics[name][0][1]
 
 
+QUERY_TIMEOUT_S = 120  # Prometheus's own default query timeout is 2 min; promstack's client waits only 5 s
+
+
+def api(prom: PrometheusServer, path: str, **params: str):
+    """GET /api/v1/<path> with a client timeout long enough for a slow query."""
+    body = http_get_json(f"{prom.url}/api/v1/{path}?{urllib.parse.urlencode(params)}", timeout=QUERY_TIMEOUT_S)
+    if body.get("status") != "success":
+        raise RuntimeError(f"API error for {path}: {body}")
+    return body["data"]
+
+
 def label_values(prom: PrometheusServer, query: str, values: dict[str, str], start: float, end: float) -> list[str]:
     import re
     m = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", query.strip())
     selector, label = interpolate(m.group(1), values), m.group(2)
-    return prom.api(f"label/{label}/values", **{"match[]": selector, "start": str(start), "end": str(end)})
+    return api(prom, f"label/{label}/values", **{"match[]": selector, "start": str(start), "end": str(end)})
 
 
 def dashboard_latencies(prom: PrometheusServer, run: str, end: float) -> list[dict]:
@@ -95,9 +107,9 @@ def dashboard_latencies(prom: PrometheusServer, run: str, end: float) -> list[di
         error, n = None, 0
         try:
             if t.instant:
-                data = prom.api("query", query=expr, time=str(end))
+                data = api(prom, "query", query=expr, time=str(end))
             else:
-                data = prom.api("query_range", query=expr, start=str(start), end=str(end), step=str(INTERVAL_S))
+                data = api(prom, "query_range", query=expr, start=str(start), end=str(end), step=str(INTERVAL_S))
             n = len(data["result"])
         except Exception as e:  # noqa: BLE001 - recorded, reported
             error = repr(e)[:300]
@@ -198,10 +210,10 @@ def main(argv: list[str] | None = None) -> int:
                                        for labels, v in m2.get("prometheus_rule_group_iterations_missed_total", [])}
         report["slowest_rules"] = sorted(
             ({"group": g["name"], "rule": r.get("name"), "seconds": r.get("evaluationTime", 0.0)}
-             for g in prom.rules() for r in g["rules"]), key=lambda r: -r["seconds"])[:10]
-        scrape = prom.query('max(scrape_duration_seconds{job="rankscope"})')
+             for g in api(prom, "rules")["groups"] for r in g["rules"]), key=lambda r: -r["seconds"])[:10]
+        scrape = api(prom, "query", query='max(scrape_duration_seconds{job="rankscope"})')["result"]
         report["max_scrape_seconds"] = float(scrape[0]["value"][1]) if scrape else None
-        report["targets_up"] = float(prom.query('sum(up{job="rankscope"})')[0]["value"][1])
+        report["targets_up"] = float(api(prom, "query", query='sum(up{job="rankscope"})')["result"][0]["value"][1])
         report["load_during"] = os.getloadavg()
         got = pages(hook)
         report["faults"] = {}

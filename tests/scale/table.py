@@ -11,10 +11,11 @@ from pathlib import Path
 
 
 def main(paths: list[str]) -> int:
-    rows = sorted((json.loads(Path(p).read_text()) for p in paths), key=lambda r: r["nodes"])
-    print("| nodes x 8 | head series | samples/s | RSS (peak) | recording group | alerts group "
+    rows = sorted(({**json.loads(Path(p).read_text()), "file": Path(p).name} for p in paths),
+                  key=lambda r: (r["nodes"], r["file"]))
+    print("| file | nodes x 8 | head series | samples/s | RSS (peak) | recording group | alerts group "
           "| max scrape | dashboard queries: median / p90 / max | faults paged (rank) | load (1 min) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         g = r["rule_groups"]
         iv = r["interval_s"]
@@ -32,16 +33,16 @@ def main(paths: list[str]) -> int:
                 return (f"{last}; median {st['median_s']:.2f} s ({100 * st['median_s'] / iv:.0f}%), "
                         f"max {st['max_s']:.2f} s ({100 * st['max_s'] / iv:.0f}%)")
             return last
-        print(f"| {r['nodes']} x 8 = {r['ranks']} | {r['head_series']:,.0f} | {r['samples_per_second']:,.0f} "
+        print(f"| {r['file']} | {r['nodes']} x 8 = {r['ranks']} | {r['head_series']:,.0f} | {r['samples_per_second']:,.0f} "
               f"| {r['rss_bytes'] / 2**30:.2f} GiB ({r['peak_rss_bytes'] / 2**30:.2f}) "
               f"| {group('rankscope.recording')} | {group('rankscope.alerts')} "
               f"| {r['max_scrape_seconds']:.2f} s | {d['median_s']:.2f} / {d['p90_s']:.2f} / {d['max_s']:.2f} s "
               f"({d['queries']}, {len(d['errors'])} errors) | {faults} | {r['load_during'][0]:.1f} |")
     print()
     for r in rows:
-        print(f"{r['nodes']} nodes, slowest rules: " + ", ".join(
+        print(f"{r['file']}, slowest rules: " + ", ".join(
             f"{x['rule']} {x['seconds']:.2f} s" for x in r.get("slowest_rules", [])[:6]))
-        print(f"{r['nodes']} nodes, slowest dashboard queries: " + ", ".join(
+        print(f"{r['file']}, slowest dashboard queries: " + ", ".join(
             f"{x['dashboard']}/{x['query']} {x['seconds']:.2f} s" for x in r["dashboard_summary"]["slowest"][:3]))
     return 0
 
