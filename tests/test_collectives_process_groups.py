@@ -188,10 +188,11 @@ def test_ddp_hang_pages_hang_suspect_and_collective_behind_stays_quiet(fast_rule
             PrometheusServer(targets=[f"127.0.0.1:{job.port}"], rule_files=fast_rules) as prom:
         wait_until(lambda: any(a["labels"]["alertname"] == "RankscopeHangSuspect" and a["state"] == "firing"
                                for a in prom.alerts()), timeout=120, what="HangSuspect firing")
-        # The sequence-number view of the same hang holds (rank 1 is behind) ...
-        behind = wait_until(lambda: prom.query(f'rank_group:rankscope_process_group_seq:behind{{run="{job.run_id}"}}'),
-                            timeout=30, what="rank 1 behind its group")
-        assert {r["metric"]["rank"] for r in behind} == {"1"}
+        # The flight recorder sees the same hang: rank 0 waits, rank 1 is behind its group ...
+        wait_until(lambda: prom.query(f'rankscope_process_group_last_enqueued_seq{{run="{job.run_id}",rank="1"}}'
+                                      f' < on (run, group_id) group_left () '
+                                      f'rankscope_process_group_last_enqueued_seq{{run="{job.run_id}",rank="0"}}'),
+                   timeout=30, what="rank 1 behind rank 0")
         time.sleep(2 * SCRAPE_S + float(FAST["for"]["RankscopeCollectiveBehind"][:-1]))
         # ... but CollectiveBehind was never even pending.
         assert prom.query(f'max_over_time(ALERTS{{run="{job.run_id}",alertname="RankscopeCollectiveBehind"}}[10m])') \
