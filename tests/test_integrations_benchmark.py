@@ -24,6 +24,7 @@ def test_adapters_benchmark_quick():
         result = figures["frameworks"][framework]
         assert result["scrapes_ok"] >= 1, f"{framework}: the exporter was never scraped during the job"
         for rank in ("0", "1"):
-            c = result["ranks"][rank]
-            assert c["pairs"] == 2 and c["bare_step_ms"] > 0
-            assert c["ci_frac"][0] <= c["frac"] <= c["ci_frac"][1]
+            for figure in ("block_mean", "block_median"):
+                c = result["ranks"][rank][figure]
+                assert c["pairs"] == 2 and c["bare_step_ms"] > 0
+                assert c["ci_frac"][0] <= c["frac"] <= c["ci_frac"][1]
