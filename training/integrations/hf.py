@@ -74,6 +74,7 @@ class RankscopeCallback(TrainerCallback):
 
         self.monitor = Monitor(device=getattr(args, "device", None), **self._options)
         self.steps = None
+        self._watched = None   # the new monitor times the DDP model afresh
 
     def on_init_end(self, args, state, control, **kwargs):
         # At the Trainer's construction (the process group exists by then): start-up costs
