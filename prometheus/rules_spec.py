@@ -199,7 +199,18 @@ SEQ_BEHIND = (
     ") > 0\n"
     f"and on (run, group_id) (max by (run, group, group_id) {IN_FLIGHT_SECONDS}"
     " > <<collective_behind_wait_seconds>>)\n"
-    f"unless on (run, rank) ({IN_FLIGHT_SECONDS} > <<collective_behind_wait_seconds>>)")
+    # A victim: it waits in a group where it is ahead of a peer (blocked by someone else).
+    # Only there: gloo's last-completed number can stay one short after a burst of
+    # concurrent collectives, so a culprit may look "in flight" in a group where it is
+    # level with or behind its peers.
+    "unless on (run, rank) (\n"
+    "  (\n"
+    "    rankscope_process_group_last_enqueued_seq{SEL}\n"
+    "    > on (run, group, group_id) group_left ()\n"
+    "    min by (run, group, group_id) (rankscope_process_group_last_enqueued_seq{SEL})\n"
+    "  )\n"
+    f"  and on (run, rank, group_id) ({IN_FLIGHT_SECONDS} > <<collective_behind_wait_seconds>>)\n"
+    ")")
 COLLECTIVE_BEHIND = (
     "(\n  " + SEQ_BEHIND.replace("\n", "\n  ") + "\n)\n"
     "and on (run, rank) (rankscope_step_stalled_seconds{SEL} > <<collective_behind_wait_seconds>>)\n"

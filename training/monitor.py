@@ -285,18 +285,12 @@ def _process_group_reader(monitor: Monitor, interval_s: float):
             "collectives are seen", torch.__version__)
         return None
     errors = monitor.errors
-    hand_off = FlightRecorder(monitor.run_dir, monitor.identity.rank, monitor.config.flight_recorder_after_s)
-
-    def stuck(oldest_start: float) -> None:
-        # From the first step on: a rank that waited at start-up for slower peers (imports, loading)
-        # would otherwise leave a dump, and the culprit of a later hang must leave none.
-        if monitor.accounting.steps_seen:
-            hand_off.check(oldest_start)
-
+    # No flight-recorder hand-off from here: gloo's last-completed number can stay one short
+    # after concurrent collectives, so a hung culprit's own last collective can look stuck,
+    # and the culprit must leave no dump (docs/collectives.md).
     return ProcessGroupReader(ProcessGroupMetrics(monitor.metrics), errors.drop,
                               lambda: errors.error("collectives"),
                               FlightRecorderSource(monitor.run_dir, monitor.identity.rank), max_groups, interval_s,
-                              on_in_flight=stuck,
                               timing=env_value(os.environ, "RANKSCOPE_COLLECTIVE_TIMING", bool, False))
 
 
