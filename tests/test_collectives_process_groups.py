@@ -25,13 +25,12 @@ import datetime
 import json
 import re
 import time
-import urllib.parse
 
 import pytest
 import yaml
 
-from prometheus import generate
 from tests.helpers.jobs import REPO, TrainJob, free_port, wait_until
+from tests.helpers.paging import alertmanager_config, render_rules
 from tests.helpers.promstack import AlertmanagerServer, PrometheusServer, WebhookReceiver, firing_alerts
 
 FAST = yaml.safe_load((REPO / "prometheus" / "fast.yaml").read_text())
@@ -40,23 +39,9 @@ SCRAPE_S = 1.0   # PrometheusServer's test scrape and evaluation interval
 HIDDEN = 256     # the trainer's default width
 
 
-def alertmanager_config(hook: WebhookReceiver) -> str:
-    """The shipped alertmanager.yml (routes, inhibitions), its webhooks pointed at ``hook``, delays cut to 1 s."""
-    config = yaml.safe_load((REPO / "prometheus" / "alertmanager.yml").read_text())
-    config["route"].update(group_wait="1s", group_interval="1s")
-    for route in config["route"]["routes"]:
-        route["group_wait"] = "1s"
-    for receiver in config["receivers"]:
-        for webhook in receiver.get("webhook_configs", []):
-            webhook["url"] = hook.url(urllib.parse.urlparse(webhook["url"]).path)
-    return yaml.safe_dump(config, sort_keys=False)
-
-
 @pytest.fixture(scope="module")
 def fast_rules(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fast-rules")
-    generate.main(["--override", str(REPO / "prometheus" / "fast.yaml"), "--out", str(out)])
-    return [out / generate.RECORDING_FILE, out / generate.ALERTS_FILE]
+    return render_rules(tmp_path_factory.mktemp("fast-rules"), fast=True)
 
 
 def by_op(prom: PrometheusServer, metric: str, run: str, rank: str = "0") -> dict[str, float]:

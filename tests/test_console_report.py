@@ -27,11 +27,10 @@ from urllib.parse import urlparse
 
 import pytest
 
-from prometheus import generate
 from tests.helpers.jobs import REPO, TrainJob, free_port
+from tests.helpers.paging import render_rules
 from tests.helpers.promstack import PrometheusServer
 
-FAST_OVERRIDE = REPO / "prometheus" / "fast.yaml"
 DOCS_IMAGE = REPO / "docs" / "images" / "report.png"
 SLOW_RANK = 1
 SLOW_S = "0.1"
@@ -61,12 +60,10 @@ def png_size(data: bytes) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     """Run the job under Prometheus, then write the report; yields (facts, html path, png dir, prometheus, job)."""
-    rules_dir = tmp_path_factory.mktemp("fast-rules")
-    generate.main(["--override", str(FAST_OVERRIDE), "--out", str(rules_dir)])
+    rules = render_rules(tmp_path_factory.mktemp("fast-rules"), fast=True)
     out = tmp_path_factory.mktemp("report")
     with TrainJob(nproc=2, steps=STEPS, extra_args=["--slow-rank-delay", SLOW_S, "--fault-rank", str(SLOW_RANK)]) as job:
         job.wait_for(lambda samples: True, timeout=180, what="the node exporter to answer")
-        rules = [rules_dir / generate.RECORDING_FILE, rules_dir / generate.ALERTS_FILE]
         with PrometheusServer(targets=[urlparse(job.url).netloc], rule_files=rules) as prom:
             prom.wait_for_scrape(timeout=30)
             assert job.wait(timeout=240) == 0, job.log()[-3000:]

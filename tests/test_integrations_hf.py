@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.helpers.adapter_jobs import PagedJob, final_values, render_fast_rules
+from tests.helpers.adapter_jobs import PagedJob, final_values
+from tests.helpers.paging import render_rules
 from tests.helpers.userjob import UserJob
 
 STEPS = 40
@@ -45,7 +46,7 @@ class Run:
 
 
 def _main_job(tmp) -> Run:
-    rules = render_fast_rules(tmp / "rules")
+    rules = render_rules(tmp / "rules", fast=True)
     job = UserJob("hf_trainer.py", "--steps", STEPS, "--save-every", STEPS,   # one checkpoint, at the end
                   "--nan-rank", FAULT_RANK, "--nan-step", NAN_STEP, nproc=2, tmp_path=tmp, env=ENV, name="hf")
     with PagedJob(job, rules) as paged:
@@ -57,7 +58,7 @@ def _main_job(tmp) -> Run:
 
 
 def _oom_job(tmp) -> Run:
-    rules = render_fast_rules(tmp / "rules")
+    rules = render_rules(tmp / "rules", fast=True)
     job = UserJob("hf_trainer.py", "--steps", "10", "--oom-rank", FAULT_RANK, "--oom-step", OOM_STEP, nproc=2,
                   tmp_path=tmp, env=ENV, name="hf-oom")
     with PagedJob(job, rules) as paged:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.helpers.adapter_jobs import PagedJob, final_values, render_fast_rules
+from tests.helpers.adapter_jobs import PagedJob, final_values
+from tests.helpers.paging import render_rules
 from tests.helpers.userjob import UserJob
 
 STEPS = 40
@@ -46,7 +47,7 @@ class Run:
 
 
 def _main_job(tmp) -> Run:
-    rules = render_fast_rules(tmp / "rules")
+    rules = render_rules(tmp / "rules", fast=True)
     job = UserJob("lightning_trainer.py", "--steps", STEPS, "--checkpoint-every", CHECKPOINT_EVERY,
                   "--nan-rank", FAULT_RANK, "--nan-step", NAN_STEP, tmp_path=tmp, name="lightning")
     with PagedJob(job, rules) as paged:
@@ -58,7 +59,7 @@ def _main_job(tmp) -> Run:
 
 
 def _oom_job(tmp) -> Run:
-    rules = render_fast_rules(tmp / "rules")
+    rules = render_rules(tmp / "rules", fast=True)
     job = UserJob("lightning_trainer.py", "--steps", "10", "--oom-rank", FAULT_RANK, "--oom-step", OOM_STEP,
                   tmp_path=tmp, name="lightning-oom")
     with PagedJob(job, rules) as paged:

@@ -15,37 +15,11 @@ job (it keeps a finished run's series) until the job is cleaned up.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
-from urllib.parse import urlparse
 
-import yaml
-
-from prometheus import generate
+from tests.helpers.paging import alertmanager_config
 from tests.helpers.promstack import AlertmanagerServer, Delivery, PrometheusServer, WebhookReceiver, firing_alerts
 from tests.helpers.userjob import UserJob
-
-ROOT = Path(__file__).resolve().parents[2]
-ALERTMANAGER_YML = ROOT / "prometheus" / "alertmanager.yml"
-FAST_OVERRIDE = ROOT / "prometheus" / "fast.yaml"
-
-
-def render_fast_rules(out: Path) -> list[Path]:
-    generate.main(["--override", str(FAST_OVERRIDE), "--out", str(out)])
-    return [out / generate.RECORDING_FILE, out / generate.ALERTS_FILE]
-
-
-def alertmanager_config(hook: WebhookReceiver) -> str:
-    """The shipped routes and inhibitions, webhooks pointed at the test receiver, grouping cut to 1 s."""
-    config = copy.deepcopy(yaml.safe_load(ALERTMANAGER_YML.read_text()))
-    config["route"].update(group_wait="1s", group_interval="1s")
-    for route in config["route"].get("routes", []):
-        route["group_wait"] = "1s"
-    for receiver in config["receivers"]:
-        for webhook in receiver.get("webhook_configs", []):
-            webhook["url"] = hook.url(urlparse(webhook["url"]).path)
-    return yaml.safe_dump(config, sort_keys=False)
-
 
 class PagedJob:
     def __init__(self, job: UserJob, rules: list[Path]):
