@@ -16,13 +16,12 @@ on that rank (the script's own records).
 from __future__ import annotations
 
 import math
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
 
-from tests.helpers.adapter_jobs import PagedJob, final_values
+from tests.helpers.adapter_jobs import PagedJob, final_values, wait_until_hang_located
 from tests.helpers.paging import render_rules
 from tests.helpers.userjob import UserJob
 
@@ -76,17 +75,7 @@ def _hang_job(tmp) -> Run:
     with UserJob("lightning_trainer.py", "--steps", "10", "--hang-rank", FAULT_RANK, "--hang-step", HANG_STEP,
                  tmp_path=tmp, env=env, name="lightning-hang") as job:
         job.start()
-        deadline = time.monotonic() + 180
-        final: dict = {}
-        while time.monotonic() < deadline and not (
-                final.get(("rankscope_hang_suspect", FAULT_RANK, "")) == 1
-                and final.get(("rankscope_rank_state", "0", "stuck_in_collective")) == 1):
-            time.sleep(0.5)
-            try:
-                final = final_values(job)
-            except OSError:   # the exporter is not up yet
-                continue
-        return Run({}, final)
+        return Run({}, wait_until_hang_located(job, culprit=FAULT_RANK))
 
 
 @pytest.fixture(scope="module")

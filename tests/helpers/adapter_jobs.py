@@ -15,6 +15,7 @@ job (it keeps a finished run's series) until the job is cleaned up.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from tests.helpers.paging import alertmanager_config
@@ -75,3 +76,20 @@ def final_values(job: UserJob) -> dict[tuple[str, str, str], float]:
         extra = [v for k, v in s.labels.items() if k not in ("run", "rank", "local_rank", "node")]
         out[(s.name, s.labels.get("rank", ""), extra[0] if len(extra) == 1 else "")] = s.value
     return out
+
+
+def wait_until_hang_located(job: UserJob, culprit: str, waiter: str = "0",
+                            timeout: float = 180.0) -> dict[tuple[str, str, str], float]:
+    """Polls the job's exporter until it names ``culprit`` the hang suspect and ``waiter`` stuck
+    in a collective; returns the last values read (the caller's assertions judge them)."""
+    deadline = time.monotonic() + timeout
+    final: dict[tuple[str, str, str], float] = {}
+    while time.monotonic() < deadline and not (
+            final.get(("rankscope_hang_suspect", culprit, "")) == 1
+            and final.get(("rankscope_rank_state", waiter, "stuck_in_collective")) == 1):
+        time.sleep(0.5)
+        try:
+            final = final_values(job)
+        except OSError:   # the exporter is not up yet
+            continue
+    return final
