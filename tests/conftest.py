@@ -33,6 +33,7 @@ FAST_FILES = frozenset({
     "test_collectives_units.py",
     "test_console_units.py",
     "test_dashboards.py",
+    "test_flops.py",
     "test_integrations_api.py",
     "test_deploy.py",
     "test_monitor_api.py",

@@ -62,6 +62,27 @@ DROP_REASONS: dict[str, str] = {
     "flight_recorder": "a collective overwritten in torch's flight recorder ring before it was read",
 }
 
+# Where a rank process's wall time goes (rankscope_wall_seconds_total{category}),
+# after Google's ml-goodput-measurement; the categories add up to the process's
+# wall time (docs/goodput.md). "productive" is goodput, the others badput:
+# productive       step time that trained (step duration minus its data wait);
+#                  steps repeated after a relaunch are lost_progress instead
+# startup          process start to the first step
+# data_wait        waiting for batches
+# checkpoint_save, checkpoint_restore  inside monitor.checkpoint("save" | "restore")
+# evaluation       inside monitor.evaluation()
+# lost_progress    re-doing steps an earlier launch of the run had completed
+# idle             everything else: gaps between steps, steps cut short by an
+#                  exception, hung time
+GOODPUT_CATEGORIES: tuple[str, ...] = (
+    "productive", "startup", "data_wait", "checkpoint_save", "checkpoint_restore", "evaluation",
+    "lost_progress", "idle",
+)
+# The wait for one batch: ~1 ms (a prefetched batch) to a 30 s loader stall.
+DATA_WAIT_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
+
 # Step times range from ~1 ms (tiny CPU models) to minutes (huge GPU steps).
 STEP_BUCKETS: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75,
@@ -150,6 +171,17 @@ RANK_METRICS: tuple[MetricSpec, ...] = (
        ("phase",)),
     _c("rankscope_samples_total", "Training samples processed."),
     _c("rankscope_tokens_total", "Training tokens processed."),
+    # goodput and model FLOPs utilisation (docs/goodput.md)
+    _c("rankscope_wall_seconds_total",
+       "Seconds of the rank process's wall time by what they went to: productive (goodput), startup, data_wait, "
+       "checkpoint_save, checkpoint_restore, evaluation, lost_progress, idle.", ("category",)),
+    _h("rankscope_data_wait_seconds", "Wait for each batch from the data loader.", DATA_WAIT_BUCKETS),
+    _c("rankscope_model_flops_total",
+       "Model FLOPs of the completed steps (tokens x FLOPs per token, or samples x FLOPs per sample); "
+       "only when a FLOPs figure is configured."),
+    _g("rankscope_device_peak_flops",
+       "Peak dense FLOP/s of the rank's device for the configured dtype (the MFU denominator); "
+       "only on a GPU whose peak is known or given (RANKSCOPE_PEAK_FLOPS), never on a CPU."),
     # loss and training health
     _g("rankscope_loss", "Loss of the last step whose value is known."),
     _g("rankscope_loss_ema", "Exponential moving average of the loss."),
