@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from rankscope import sinks
 from rankscope.contract import environment
 from rankscope.contract.environment import DEFAULT_ADDR, DEFAULT_PORT, ConfigError
 from rankscope.contract.rundir import default_metrics_dir
@@ -53,6 +54,16 @@ class MonitorConfig:
     """How often device and host memory are sampled (background thread)."""
     flight_recorder_after_s: float = 60.0
     """Dump torch's flight recorder (if on) once a collective has been in flight this long."""
+    tensorboard_dir: Path | None = None
+    """Rank 0 writes one step-indexed TensorBoard run of job-wide figures to <dir>/<run> (docs/sinks.md)."""
+    mlflow_tracking_uri: str | None = None
+    """Rank 0 logs the same figures to one MLflow run here (http(s)://, sqlite:///..., ...). The standard
+    MLFLOW_TRACKING_URI is not read: it is the user's own logging's (docs/sinks.md)."""
+    mlflow_experiment: str = "rankscope"
+    sink_interval_s: float = 10.0
+    """How often rank 0's sink reads the exporters and writes one record."""
+    sink_exporters: str | None = None
+    """Other nodes' exporters (host:port,host:port) the sink reads besides this node's."""
 
     def __post_init__(self) -> None:
         if self.run is not None and not _valid_label_value(self.run):
@@ -64,7 +75,7 @@ class MonitorConfig:
         if not (0 < self.metrics_port < 65536):
             raise ConfigError(f"metrics_port: {self.metrics_port} is not a TCP port (1-65535)")
         for name in ("publish_interval_s", "memory_every_s", "loss_ema_alpha", "spike_zscore", "grad_spike_factor",
-                     "flight_recorder_after_s"):
+                     "flight_recorder_after_s", "sink_interval_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)!r}")
         if not self.loss_ema_alpha <= 1:
@@ -75,6 +86,14 @@ class MonitorConfig:
             raise ConfigError(f"spike_warmup_steps: must be >= 0, got {self.spike_warmup_steps}")
         if self.metrics_dir.exists() and not self.metrics_dir.is_dir():
             raise ConfigError(f"metrics_dir: {self.metrics_dir} exists and is not a directory")
+        if self.tensorboard_dir is not None and Path(self.tensorboard_dir).exists() \
+                and not Path(self.tensorboard_dir).is_dir():
+            raise ConfigError(f"{self.tensorboard_dir} exists and is not a directory", field="tensorboard_dir")
+        if self.mlflow_tracking_uri is not None:
+            sinks.check_mlflow_uri(self.mlflow_tracking_uri)
+        if not self.mlflow_experiment.strip():
+            raise ConfigError("must not be empty", field="mlflow_experiment")
+        sinks.exporter_urls(self.sink_exporters)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "MonitorConfig":

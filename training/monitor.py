@@ -39,7 +39,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Sequence
 
-from rankscope import comm_timing, exit_status
+from rankscope import comm_timing, exit_status, sinks
 from rankscope.accounting import JudgeSettings, StepAccounting
 from rankscope.collectives import CollectiveTracker, check_op, tensor_nbytes
 from rankscope.config import MonitorConfig
@@ -75,6 +75,7 @@ class Monitor:
         self.errors = TelemetryErrors()
         # Everything that can reject the configuration runs before anything is started.
         self.tracing: Tracing = build_tracing(self.identity, lambda: self.errors.error("tracing"))
+        self.sink = sinks.build(self.config, self.identity, self.errors)   # rank 0's TensorBoard / MLflow run
         _claim(self)
         try:
             self._start(backend)
@@ -117,6 +118,8 @@ class Monitor:
         self.metrics.mem_limit.set(memory.host_limit)
         self._closed = False
         self.publisher.start()
+        if self.sink is not None:
+            self.sink.start()
         if self.process_groups is not None:
             self.process_groups.start()
         exit_status.install()
@@ -231,6 +234,8 @@ class Monitor:
             self._rank_info.publish_when_known(final=True)
             self.registration.end(time.time(), failure)
             self.registration.save(self.run_dir)
+            if self.sink is not None:
+                self.sink.stop(timeout_s=3.0)   # last: a slow backend cannot delay the rank's own state
         except Exception:
             self.errors.error("publisher")
         finally:

@@ -60,6 +60,8 @@ DROP_REASONS: dict[str, str] = {
     "late_value": "a value observed after its step had ended",
     "process_group": "a collective of a process group beyond the rank's budget (RANKSCOPE_MAX_PROCESS_GROUPS)",
     "flight_recorder": "a collective overwritten in torch's flight recorder ring before it was read",
+    "sink": "a record of rank 0's TensorBoard / MLflow sink not written: its queue was full, the backend failed "
+            "(a dead tracking server, a full disk), or no exporter answered (docs/sinks.md)",
 }
 
 # Where a rank process's wall time goes (rankscope_wall_seconds_total{category}),
