@@ -22,7 +22,9 @@ EXPECTED = [spec.name + ("_count" if spec.kind == "histogram" else "") for spec 
             # gloo measures no collective durations (NCCL with collective timing does), and an
             # op's in-flight start appears once a read finds one of its collectives in flight
             and spec.name not in ("rankscope_process_group_collective_duration_seconds",
-                                  "rankscope_process_group_in_flight_started_timestamp_seconds")
+                                  "rankscope_process_group_in_flight_started_timestamp_seconds",
+                                  # a CPU has no peak FLOPS, so no MFU (docs/goodput.md)
+                                  "rankscope_device_peak_flops")
             ] + ["rankscope_device_memory_total_bytes",               # ...except the device total (0 on CPU)
                  "rankscope_rank_up", "rankscope_rank_state", "rankscope_hang_suspect"]
 

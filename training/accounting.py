@@ -1,9 +1,9 @@
 """What a finished step means: counts, durations, phases, values, anomalies.
 
-Called on the training thread when a step ends. Everything lands in an
-``Accumulator`` under a lock; the publisher swaps it for an empty one and
-writes it out. The order inside ``step_ended`` is deliberate: the step is
-counted first, by code that cannot fail, so a bad value or a bug further down
+The training thread hands each finished step over as it is (``step_ended``);
+the publisher thread works out what it adds up to (``absorb``) into an
+``Accumulator``, which it then swaps for an empty one and writes out. A step
+is always counted, whatever its values: a bad value or a bug in judging it
 can never make a training rank look stuck (a stall alert on a run that trains
 is a false page).
 
@@ -15,18 +15,23 @@ from __future__ import annotations
 
 import math
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rankscope import values
 from rankscope.contract.catalog import PHASES
 from rankscope.device_reads import DeviceStep, DeviceValue
+from rankscope.goodput import Progress, TimeUse
 from rankscope.health import GradNormTracker, LossTracker
 from rankscope.records import PhaseRecord, StepRecord
 
 MAX_PENDING_STEPS = 10_000   # step durations buffered between two publishes
 SLOW_STEP_FACTOR = 3.0       # a step this many times the running median is traced as an anomaly
 SLOW_STEP_FLOOR_S = 0.001    # ...if it took at least this long: µs-scale steps jitter by more than 3x
+ABSORB_SLICE_S = 0.0005      # the publisher works through ended steps in slices this long...
+GIL_YIELD_S = 0.0001         # ...sleeping this long between them (the GIL is free meanwhile)
 
 
 class Accumulator:
@@ -34,7 +39,7 @@ class Accumulator:
 
     __slots__ = ("steps", "durations", "phase", "samples", "tokens", "last_step", "last_duration",
                  "last_end", "losses", "grad_norms", "lr", "ooms", "nonfinite_loss", "nonfinite_grad",
-                 "loss_spikes", "grad_spikes", "loss_ema", "loss_z")
+                 "loss_spikes", "grad_spikes", "loss_ema", "loss_z", "data_waits", "wall")
 
     def __init__(self) -> None:
         self.steps = 0
@@ -55,6 +60,8 @@ class Accumulator:
         self.grad_spikes = 0
         self.loss_ema = math.nan
         self.loss_z = math.nan
+        self.data_waits: list[float] = []            # each batch's wait
+        self.wall: dict[str, float] = {}             # goodput category -> seconds (rankscope.goodput)
 
 
 @dataclass(slots=True)
@@ -80,8 +87,22 @@ class JudgeSettings:
 
 
 class StepAccounting:
+    """Counts and judges finished steps.
+
+    The training thread only hands over what it has (``step_ended``: a tuple
+    appended to a deque, no lock, no reading of values); the publisher thread
+    works out what it means (``absorb``) just before each publish. Right
+    after a step's tensor work every line of Python runs cache-cold, several
+    times slower than usual (docs/performance.md), so the less the training
+    thread runs, the less the telemetry costs the step.
+    """
+
     def __init__(self, judge: JudgeSettings, comm: Callable[[], Any], tracker: Any, tracing: Any,
-                 device: Any, errors: Any, flush: Callable[[], None]):
+                 device: Any, errors: Any, flush: Callable[[], None], time_use: TimeUse, progress: Progress,
+                 busy_since: Callable[[], float]):
+        self._time_use = time_use       # goodput: where the wall time goes
+        self._progress = progress       # the highest step the run completed, kept for a relaunch
+        self._busy_since = busy_since   # perf_counter since which the training thread is in a step, fetch or block
         self._comm = comm               # the current comm_timing strategy (watch() may replace it)
         self._tracker = tracker
         self._tracing = tracing
@@ -91,8 +112,9 @@ class StepAccounting:
         self._loss = LossTracker(judge.loss_window, judge.loss_ema_alpha, judge.spike_zscore,
                                  judge.spike_warmup_steps)
         self._grad = GradNormTracker(judge.grad_spike_factor)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()   # guards _acc: the publisher swaps it, an overflow counts into it
         self._acc = Accumulator()
+        self._ended: deque[tuple] = deque()   # StepEnded tuples, training thread -> publisher
         self._median_step = 0.0
         self.steps_seen = 0
 
@@ -105,74 +127,149 @@ class StepAccounting:
     # -- training thread -------------------------------------------------------
     def step_ended(self, s: Any, t1: float, exc: BaseException | None) -> None:
         if exc is not None:
-            if _is_oom(exc):
-                self._oom(s, t1)
+            self._failed(s, t1, exc)
             return
-        duration = t1 - s.t0
-        phases = self._phases(s, duration)
-        self._count(s, duration, phases)
-        try:
-            self._comm().step_ended()
-            tracing = self._tracing.enabled
-            # A CUDA value is judged later, so its step must be kept to trace it then.
-            context = _context(s, duration) if tracing and self._device is not None else None
-            loss, anomaly = self._judge_values(s, context)
-            median = self._median_step
-            self._median_step = duration if not median else median + 0.05 * (duration - median)
-            if not anomaly and median and s.number > 10 and duration > SLOW_STEP_FACTOR * median \
-                    and duration >= SLOW_STEP_FLOOR_S:
-                anomaly = "slow_step"
-            if tracing and (anomaly or self._tracing.sampled(s.number)):
-                self._trace(context or _context(s, duration), anomaly, loss)
-        except Exception:
-            self._errors.error("step")
-
-    def _phases(self, s: Any, duration: float) -> dict[str, float] | None:
-        """Host-clock phase seconds; on CUDA only the data wait (the rest comes from events)."""
+        self.steps_seen += 1
+        loss, grad = s.loss, s.grad_norm
+        exposed = 0.0
         try:
             comm = self._comm()
+            if comm.mode != "off":
+                exposed = self._exposed_wait(comm, s)
+                comm.step_ended()
             if self._device is not None:
-                self._device.defer_step(DeviceStep(duration, s.phase_seconds["data"], s.device_phases,
-                                                   comm.last_device_bucket()))
-                phases = dict.fromkeys(PHASES, 0.0)
-                phases["data"] = s.phase_seconds["data"]
-                return phases
-            phases = s.phase_seconds
-            if s.backward_end:
-                exposed = comm.exposed_wait(s.backward_start, s.backward_end, phases["backward"])
-                phases["backward"] -= exposed
-                phases["comm_wait"] += exposed
-            phases["other"] += max(duration - sum(phases.values()), 0.0)
-            return phases
+                loss, grad = self._defer_to_device(s, t1, comm)
         except Exception:
             self._errors.error("step")
-            return None
+        # StepEnded, in this order (a plain tuple: the cheapest thing to build here).
+        # A tensor's version counter is kept to tell whether it was modified before it is read.
+        ended = (s.number, s.numbered, s.t0, t1, s.samples, s.tokens, s.data_unlogged, s.phase_log, exposed,
+                 loss, None if loss is None or type(loss) is float else getattr(loss, "_version", None),
+                 grad, None if grad is None or type(grad) is float else getattr(grad, "_version", None), s.lr)
+        if len(self._ended) < MAX_PENDING_STEPS:
+            self._ended.append(ended)
+        else:
+            self._overflow(ended)
 
-    def _count(self, s: Any, duration: float, phases: dict[str, float] | None) -> None:
-        dropped = False
+    def _exposed_wait(self, comm: Any, s: Any) -> float:
+        if not s.backward_end:
+            return 0.0
+        backward = sum(b - a for name, a, b in s.phase_log if name == "backward")
+        return comm.exposed_wait(s.backward_start, s.backward_end, backward)
+
+    def _defer_to_device(self, s: Any, t1: float, comm: Any) -> tuple[Any, Any]:
+        """CUDA: queue the phase events and the values' copies now, on the training thread's stream."""
+        duration = t1 - s.t0
+        data = s.data_unlogged + sum(b - a for name, a, b in s.phase_log if name == "data")
+        self._device.defer_step(DeviceStep(duration, data, s.device_phases, comm.last_device_bucket()))
+        context = _context(s, duration) if self._tracing.enabled else None
+        return self._defer_value("loss", s.loss, context), self._defer_value("grad_norm", s.grad_norm, context)
+
+    def _defer_value(self, what: str, value: Any, context: TraceContext | None) -> Any:
+        """A device tensor goes to the device reads (None is left); anything else is read later."""
+        if value is None or not getattr(value, "is_cuda", False):
+            return value
+        try:
+            number = values.read(what, value)
+        except values.NotANumber as e:
+            self._errors.drop("value", str(e))
+            return None
+        self._device.defer_value("loss" if what == "loss" else "grad", number, context)
+        return None
+
+    def _overflow(self, ended: tuple) -> None:
+        """The publisher is far behind: count the step here, without its details."""
+        number, _, t0, t1, samples, tokens = ended[:6]
         with self._lock:
             acc = self._acc
             acc.steps += 1
-            if len(acc.durations) < MAX_PENDING_STEPS:
-                acc.durations.append(duration)
-            else:
-                dropped = True
-            if phases is not None:
-                for k, v in phases.items():
-                    acc.phase[k] += v
-            acc.samples += s.samples
-            acc.tokens += s.tokens
-            acc.last_step = s.number
-            acc.last_duration = duration
-            acc.last_end = s.start_unix + duration
-        self.steps_seen += 1
-        if dropped:
-            self._errors.drop("step_duration", f"more than {MAX_PENDING_STEPS} steps between two publishes")
+            acc.samples += samples
+            acc.tokens += tokens
+            acc.last_step, acc.last_duration = number, t1 - t0
+            acc.last_end = time.time() - (time.perf_counter() - t1)
+        self._errors.drop("step_duration", f"more than {MAX_PENDING_STEPS} steps between two publishes")
 
-    def _judge_values(self, s: Any, context: TraceContext | None) -> tuple[float | None, str]:
-        loss = self._take("loss", s.loss, context)
-        grad = self._take("grad_norm", s.grad_norm, context)
-        lr = self._take("lr", s.lr, None)
+    def interval_ended(self, category: str, t0: float, t1: float) -> None:
+        """A checkpoint or evaluation block (training thread)."""
+        self._ended.append((category, t0, t1))
+
+    def _failed(self, s: Any, t1: float, exc: BaseException) -> None:
+        self._ended.append(("failed_step", s.t0, t1))
+        if not _is_oom(exc):
+            return
+        try:
+            with self._lock:
+                self._acc.ooms += 1
+            if self._tracing.enabled:
+                self._trace(_context(s, t1 - s.t0), "oom", None)
+            self._flush()
+        except Exception:
+            self._errors.error("step")
+
+    # -- publisher thread ----------------------------------------------------------
+    def absorb(self) -> None:
+        """Work out what the steps that ended since the last call add up to (publisher thread).
+
+        In slices of at most ``ABSORB_SLICE_S``, with a short sleep between
+        them: the sleep releases the GIL, so the training thread, if it waits
+        for it, never waits longer than a slice. Left alone, a thread keeps the
+        GIL for Python's switch interval (5 ms) before it must hand it over."""
+        # Read first: what is under way now is attributed when it ends, after this drain.
+        busy = self._busy_since()
+        now = time.perf_counter()
+        ended = self._ended
+        to_unix = time.time() - now
+        slice_end = now + ABSORB_SLICE_S
+        while ended:
+            try:
+                entry = ended.popleft()
+                if len(entry) == 3:   # (category, t0, t1): an interval or a failed step
+                    self._absorb_interval(*entry)
+                else:
+                    self._absorb_one(entry, to_unix)
+            except Exception:
+                self._errors.error("step")
+            if time.perf_counter() > slice_end and ended:
+                time.sleep(GIL_YIELD_S)
+                slice_end = time.perf_counter() + ABSORB_SLICE_S
+        self._time_use.until(min(busy, now) if busy else now)
+        wall = self._time_use.take()
+        with self._lock:
+            acc_wall = self._acc.wall
+            for k, v in wall.items():
+                acc_wall[k] = acc_wall.get(k, 0.0) + v
+        self._progress.save(self._time_use.highest_step)
+
+    def _absorb_interval(self, category: str, t0: float, t1: float) -> None:
+        if category == "failed_step":
+            self._time_use.failed_step(t0, t1)
+        else:
+            self._time_use.interval(category, t0, t1)
+
+    def _absorb_one(self, ended: tuple, to_unix: float) -> None:
+        (number, numbered, t0, t1, samples, tokens, data_unlogged, log, exposed,
+         loss, loss_version, grad, grad_version, lr) = ended
+        duration = t1 - t0
+        waits = [b - a for name, a, b in log if name == "data"]
+        data = data_unlogged + sum(waits)
+        phases = self._phases(log, data_unlogged, duration, exposed)
+        self._time_use.step(number, numbered, t0, t1, data)
+        start_unix = t0 + to_unix
+        with self._lock:
+            acc = self._acc
+            acc.steps += 1
+            acc.durations.append(duration)
+            acc.data_waits.extend(waits)
+            for k, v in phases.items():
+                acc.phase[k] += v
+            acc.samples += samples
+            acc.tokens += tokens
+            acc.last_step = number
+            acc.last_duration = duration
+            acc.last_end = start_unix + duration
+        loss = self._read("loss", loss, loss_version)
+        grad = self._read("grad_norm", grad, grad_version)
+        lr = self._read("lr", lr, None)
         anomaly = ""
         with self._lock:
             acc = self._acc
@@ -183,10 +280,30 @@ class StepAccounting:
                 anomaly = anomaly or grad_anomaly   # the loss is the primary signal
             if lr is not None:
                 acc.lr = lr
-        return loss, anomaly
+        median = self._median_step
+        self._median_step = duration if not median else median + 0.05 * (duration - median)
+        if not anomaly and median and number > 10 and duration > SLOW_STEP_FACTOR * median \
+                and duration >= SLOW_STEP_FLOOR_S:
+            anomaly = "slow_step"
+        if self._tracing.enabled and (anomaly or self._tracing.sampled(number)):
+            self._trace(TraceContext(number, start_unix, t0, duration, log, samples, tokens), anomaly, loss)
 
-    def _take(self, what: str, value: Any, context: TraceContext | None) -> float | None:
-        """The value as a float now, or None (absent, deferred to the device, or dropped)."""
+    def _phases(self, log: list, data_unlogged: float, duration: float, exposed: float) -> dict[str, float]:
+        """Seconds per phase from the step's log; on CUDA only the data wait (the rest comes from events)."""
+        phases = dict.fromkeys(PHASES, 0.0)
+        phases["data"] = data_unlogged
+        for name, a, b in log:
+            phases[name] += b - a
+        if self._device is not None:
+            return dict.fromkeys(PHASES, 0.0) | {"data": phases["data"]}
+        exposed = min(exposed, phases["backward"])
+        phases["backward"] -= exposed
+        phases["comm_wait"] += exposed
+        phases["other"] += max(duration - sum(phases.values()), 0.0)
+        return phases
+
+    def _read(self, what: str, value: Any, version: int | None) -> float | None:
+        """The value as a float, or None (absent, already deferred to the device, or dropped)."""
         if value is None:
             return None
         try:
@@ -194,14 +311,16 @@ class StepAccounting:
         except values.NotANumber as e:
             self._errors.drop("value", str(e))
             return None
+        if version is not None and getattr(value, "_version", version) != version:
+            self._errors.drop("value_modified", f"{what}: the tensor given to step.observe() was modified in "
+                                                "place after its step ended; observe a copy (loss.item() or "
+                                                "loss.detach().clone()) if the loop reuses it")
+            return None
         if isinstance(number, float):
             return number
-        if what == "lr":   # a device lr: rare, and not worth a deferred read
-            return float(number.item())
-        self._device.defer_value("loss" if what == "loss" else "grad", number, context)
-        return None
+        return float(number.item())   # a device lr: rare, and not worth a deferred read
 
-    # -- judging (under the lock, every value exactly once) -----------------------
+    # -- judging (publisher thread, under the lock, every value exactly once) --------
     def _judge_loss(self, loss: float, acc: Accumulator) -> str:
         verdict = self._loss.observe(loss)
         acc.losses.append(loss)
@@ -240,29 +359,20 @@ class StepAccounting:
             for k, v in phases.items():
                 self._acc.phase[k] += v
 
-    # -- traces and the OOM path ---------------------------------------------------
     def _trace(self, c: TraceContext, anomaly: str, loss: float | None) -> None:
         base = c.start_unix - c.t0  # perf_counter -> unix seconds
+        end = c.start_unix + c.duration
         self._tracing.submit(StepRecord(
             step=c.number, start=c.start_unix, duration=c.duration,
             phases=[PhaseRecord(name, base + a, b - a) for name, a, b in c.phase_log],
-            collectives=self._tracker.recent_since(c.start_unix),
+            collectives=self._tracker.recent_between(c.start_unix, end),
             samples=c.samples, tokens=c.tokens, loss=loss, anomaly=anomaly,
         ))
 
-    def _oom(self, s: Any, t1: float) -> None:
-        try:
-            with self._lock:
-                self._acc.ooms += 1
-            if self._tracing.enabled:
-                self._trace(_context(s, t1 - s.t0), "oom", None)
-            self._flush()
-        except Exception:
-            self._errors.error("step")
-
 
 def _context(s: Any, duration: float) -> TraceContext:
-    return TraceContext(s.number, s.start_unix, s.t0, duration, list(s.phase_log), s.samples, s.tokens)
+    start_unix = time.time() - (time.perf_counter() - s.t0)
+    return TraceContext(s.number, start_unix, s.t0, duration, s.phase_log, s.samples, s.tokens)
 
 
 def _is_oom(exc: BaseException) -> bool:

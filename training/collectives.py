@@ -162,9 +162,10 @@ class CollectiveTracker:
                 break
         return out
 
-    def recent_since(self, start: float) -> list[CollectiveRecord]:
-        """Completed collectives that started at or after ``start`` (unix seconds)."""
-        return [r for r in list(self.recent) if r.start >= start]
+    def recent_between(self, start: float, end: float) -> list[CollectiveRecord]:
+        """Completed collectives that started within [``start``, ``end``] (unix seconds): a step's
+        own, even when read after later steps have run."""
+        return [r for r in list(self.recent) if start <= r.start <= end]
 
     def in_flight(self) -> dict[str, float]:
         """op -> unix start of its oldest collective still in flight."""

@@ -104,6 +104,13 @@ class RankMetrics:
             self.phase = {p: m["rankscope_phase_seconds_total"].labels(*ident, p) for p in catalog.PHASES}
             self.samples = b("rankscope_samples_total")
             self.tokens = b("rankscope_tokens_total")
+            self.wall = {c: m["rankscope_wall_seconds_total"].labels(*ident, c) for c in catalog.GOODPUT_CATEGORIES}
+            for child in self.wall.values():
+                child.inc(0)
+            self.data_wait = b("rankscope_data_wait_seconds")
+            # Bound only when known (bind_flops): a CPU job has no MFU, not an MFU of 0.
+            self.model_flops = None
+            self.peak_flops = None
             self.loss = b("rankscope_loss")
             self.loss_ema = b("rankscope_loss_ema")
             self.loss_z = b("rankscope_loss_zscore")
@@ -159,6 +166,16 @@ class RankMetrics:
 
     def bind(self, name: str):
         return self._metrics[name].labels(**self.identity)
+
+    def bind_flops(self, counts_flops: bool, peak: float | None) -> None:
+        """The MFU series: model FLOPs if a figure was given, the device's peak if it is known."""
+        with mmap_values(self.directory):
+            if counts_flops:
+                self.model_flops = self.bind("rankscope_model_flops_total")
+                self.model_flops.inc(0)
+            if peak is not None:
+                self.peak_flops = self.bind("rankscope_device_peak_flops")
+                self.peak_flops.set(peak)
 
     def set_rank_info(self, info: dict[str, str]) -> None:
         with mmap_values(self.directory):

@@ -48,7 +48,10 @@ from rankscope.contract.environment import ConfigError
 from rankscope.contract.rundir import run_slug
 from rankscope.device_reads import DeviceReads
 from rankscope.errors import TelemetryErrors
+from rankscope.errors import UsageError
 from rankscope.flight_recorder import FlightRecorder
+from rankscope.flops import FlopsConfig
+from rankscope.goodput import Progress, TimeUse, process_start_perf
 from rankscope.identity import RankIdentity
 from rankscope.memory import MemorySampler
 from rankscope.metrics import RankMetrics
@@ -67,8 +70,10 @@ class Monitor:
     ``init_process_group``; everything that can be wrong is checked here."""
 
     def __init__(self, config: MonitorConfig | None = None, *, device: Any = None, backend: str | None = None,
-                 **options: Any):
+                 flops: FlopsConfig | None = None, **options: Any):
         self.config = config if config is not None else MonitorConfig.from_env(**options)
+        # FLOPs per token or sample, for MFU (rankscope.flops; RANKSCOPE_MODEL_PARAMS and friends)
+        self.flops = flops if flops is not None else FlopsConfig.from_env()
         self.identity = RankIdentity.from_env(self.config.run)
         self.device = device
         self.run_dir = self.config.metrics_dir / run_slug(self.identity.run)
@@ -86,6 +91,7 @@ class Monitor:
     def _start(self, backend: str | None) -> None:
         cfg = self.config
         self.registration = prepare_run_dir(self.run_dir, self.identity)
+        self._progress = Progress(self.run_dir, self.identity.rank)
         try:
             self.metrics = RankMetrics(self.run_dir, self.identity.labels)
         except OSError as e:
@@ -101,7 +107,9 @@ class Monitor:
         judge = JudgeSettings(cfg.loss_window, cfg.loss_ema_alpha, cfg.spike_zscore, cfg.spike_warmup_steps,
                               cfg.grad_spike_factor)
         self.accounting = StepAccounting(judge, lambda: self.comm, self.tracker, self.tracing, self.device_reads,
-                                         self.errors, flush=lambda: self.publisher.flush())
+                                         self.errors, flush=lambda: self.publisher.flush(),
+                                         time_use=TimeUse(process_start_perf(), self._progress.completed),
+                                         progress=self._progress, busy_since=lambda: self.steps.busy_since())
         self.steps = StepTimer(self.tracker, self.comm, self.accounting.step_ended, self.errors.drop)
         self.user_metrics = UserMetrics(self.metrics, self.errors)
         memory = MemorySampler(self.device)
@@ -110,11 +118,13 @@ class Monitor:
         self.publisher = Publisher(self.metrics, self.accounting, self.tracker, self.device_reads, memory,
                                    self.tracing, self.errors,
                                    FlightRecorder(self.run_dir, self.identity.rank, cfg.flight_recorder_after_s),
-                                   rank_info, cfg.publish_interval_s, cfg.memory_every_s)
+                                   rank_info, cfg.publish_interval_s, cfg.memory_every_s, self.flops)
         self._rank_info = rank_info
         self.process_groups = _process_group_reader(self, cfg.publish_interval_s)
         self.metrics.start_ts.set(self.registration.started_at)
         self.metrics.mem_total.set(memory.total)
+        self.metrics.bind_flops(self.flops.counts_flops, self.flops.peak(_device_name(self.device),
+                                                                         getattr(self.device, "type", "cpu")))
         self.metrics.mem_limit.set(memory.host_limit)
         self._closed = False
         self.publisher.start()
@@ -148,12 +158,14 @@ class Monitor:
         """Wrap the training data loader: the wait for each batch becomes the
         ``data`` phase of the step it belongs to (see rankscope.steps)."""
         it = iter(iterable)
-        fetched = self.steps.data_fetched
+        timer = self.steps
+        fetched = timer.data_fetched
         while True:
-            t0 = time.perf_counter()
+            t0 = timer.fetch_started = time.perf_counter()
             try:
                 item = next(it)
             except StopIteration:
+                timer.fetch_started = 0.0
                 return
             fetched(t0, time.perf_counter())
             yield item
@@ -168,6 +180,34 @@ class Monitor:
         """Context manager for one training step (an optimizer step, with all its
         micro-batches). ``step`` defaults to a counter from 0."""
         return self.steps.arm(samples, tokens, step)
+
+    @contextmanager
+    def checkpoint(self, kind: str = "save") -> Iterator[None]:
+        """Time a checkpoint ``save`` or ``restore``: its seconds count as that badput, not as idle
+        time or as the step's (rankscope_wall_seconds_total{category="checkpoint_save"})."""
+        if kind not in ("save", "restore"):
+            raise ValueError(f"monitor.checkpoint({kind!r}): kind is 'save' or 'restore'")
+        with self._block("checkpoint_" + kind):
+            yield
+
+    @contextmanager
+    def evaluation(self) -> Iterator[None]:
+        """Time an evaluation pass: its seconds count as evaluation, not as idle time."""
+        with self._block("evaluation"):
+            yield
+
+    @contextmanager
+    def _block(self, category: str) -> Iterator[None]:
+        timer = self.steps
+        if timer.block_started:
+            raise UsageError(f"monitor.{category.split('_')[0]}() inside another checkpoint or evaluation block: "
+                             "blocks do not nest")
+        t0 = timer.block_started = time.perf_counter()
+        try:
+            yield
+        finally:
+            timer.block_started = 0.0
+            self.accounting.interval_ended(category, t0, time.perf_counter())
 
     @contextmanager
     def collective(self, op: str, *tensors: Any, nbytes: int | None = None) -> Iterator[None]:
@@ -227,6 +267,7 @@ class Monitor:
                 # A step begun by a framework callback (step.begin()) that an exception cut
                 # short: end it with that exception, so an out-of-memory error is counted.
                 self.steps.step.end(_exception_in_flight())
+            self.publisher.flush(timeout_s=2.0)   # the last steps' traces are built here, before the tracer stops
             self.tracing.shutdown(timeout_s=2.0)
             if self.process_groups is not None:
                 self.process_groups.stop(timeout_s=2.0)
@@ -297,6 +338,15 @@ def _process_group_reader(monitor: Monitor, interval_s: float):
                               lambda: errors.error("collectives"),
                               FlightRecorderSource(monitor.run_dir, monitor.identity.rank), max_groups, interval_s,
                               timing=env_value(os.environ, "RANKSCOPE_COLLECTIVE_TIMING", bool, False))
+
+
+def _device_name(device: Any) -> str | None:
+    """The GPU's name as NVML reports it (torch reads the same), for the peak-FLOPS table."""
+    if device is None or getattr(device, "type", "") != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.get_device_name(device)
 
 
 def _cuda_event_factory(device: Any):

@@ -24,8 +24,10 @@ from rankscope.accounting import Accumulator
 
 class Publisher:
     def __init__(self, metrics: Any, accounting: Any, tracker: Any, device: Any, memory: Any, tracing: Any,
-                 errors: Any, flight_recorder: Any, rank_info: Any, interval_s: float, memory_every_s: float):
+                 errors: Any, flight_recorder: Any, rank_info: Any, interval_s: float, memory_every_s: float,
+                 flops: Any):
         self._m = metrics
+        self._flops = flops                # flops.FlopsConfig: model FLOPs of the steps
         self._accounting = accounting
         self._tracker = tracker
         self._device = device              # device_reads.DeviceReads on CUDA, else None
@@ -87,6 +89,7 @@ class Publisher:
                 self._accounting.device_value_ready(value)
             for phases in self._device.ready_steps():
                 self._accounting.device_phases_ready(phases)
+        self._accounting.absorb()   # the steps that ended since the last publish
         acc = self._accounting.swap()
         if acc.steps:
             m.steps.inc(acc.steps)
@@ -99,6 +102,13 @@ class Publisher:
                 m.samples.inc(acc.samples)
             if acc.tokens:
                 m.tokens.inc(acc.tokens)
+            if m.model_flops is not None:
+                m.model_flops.inc(self._flops.step_flops(acc.samples, acc.tokens) or 0.0)
+        for d in acc.data_waits:
+            m.data_wait.observe(d)
+        for k, v in acc.wall.items():
+            if v > 0:
+                m.wall[k].inc(v)
         for k, v in acc.phase.items():  # CUDA steps' phases arrive after their step
             if v:
                 m.phase[k].inc(v)

@@ -21,20 +21,25 @@ So the durations of consecutive steps add up to the loop's wall time.
 from __future__ import annotations
 
 import time
+from time import perf_counter
 from typing import Any, Callable
 
 from rankscope.contract.catalog import PHASES
 from rankscope.errors import UsageError
 
+MAX_PENDING_FETCHES = 10_000   # batches fetched before one step whose waits are logged one by one
+
 
 class Phase:
     """Reusable timer for one phase of the current step (no allocation per use).
 
+    It only appends ``(name, start, end)`` to the step's log: what the phases
+    add up to is worked out off the training thread (rankscope.accounting).
     On a CUDA device it also records an event pair on the current stream: the
     host returns from forward long before the GPU finishes it, so device
     phases are measured by events and read later by the publisher."""
 
-    __slots__ = ("name", "step", "t0", "event", "token")
+    __slots__ = ("name", "step", "t0", "event", "token", "is_backward")
 
     def __init__(self, name: str, step: "Step"):
         self.name = name
@@ -42,35 +47,35 @@ class Phase:
         self.t0 = 0.0
         self.event = None
         self.token = -1
+        self.is_backward = name == "backward"
 
     def __enter__(self) -> "Phase":
         step = self.step
         if step.events is not None:
             self.event = step.events.get()
             self.event.record()
-        if self.name == "backward":
+        if self.is_backward:
             # A rank blocked in backward may be waiting on its peers' all-reduce.
             op = step.timer.comm.backward_in_flight
             if op is not None:
                 self.token = step.timer.tracker.mark(op, time.time())
-        self.t0 = time.perf_counter()
+        self.t0 = perf_counter()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        t1 = time.perf_counter()
+        t1 = perf_counter()
         step = self.step
-        if self.token >= 0:
-            step.timer.tracker.unmark(self.token)
-            self.token = -1
+        step.phase_log.append((self.name, self.t0, t1))
+        if self.is_backward:
+            step.backward_start, step.backward_end = self.t0, t1
+            if self.token >= 0:
+                step.timer.tracker.unmark(self.token)
+                self.token = -1
         if self.event is not None:
             end = step.events.get()
             end.record()
             step.device_phases.append((self.name, self.event, end))
             self.event = None
-        step.phase_seconds[self.name] += t1 - self.t0
-        step.phase_log.append((self.name, self.t0, t1))
-        if self.name == "backward":
-            step.backward_start, step.backward_end = self.t0, t1
 
     # Without a with-block, for code that only sees events (framework callbacks,
     # rankscope.integrations): ``start()`` where ``__enter__`` would run, ``stop()``
@@ -83,7 +88,10 @@ class Phase:
 
 
 class Step:
-    """The step in progress: ``with monitor.step() as step``. Reused from step to step."""
+    """The step in progress: ``with monitor.step() as step``. Reused from step to step.
+
+    Its log and values are handed over whole when it ends; ``begin`` gives the
+    next step fresh ones, so nothing is copied on the training thread."""
 
     def __init__(self, timer: "StepTimer"):
         self.timer = timer
@@ -91,11 +99,11 @@ class Step:
         self._phases = {name: Phase(name, self) for name in PHASES}
         self.open = False
         self.number = -1
+        self.numbered = False        # the loop gave the step number (step=...), so a relaunch's repeats are known
         self.t0 = 0.0
-        self.start_unix = 0.0
         self.samples = 0
         self.tokens = 0
-        self.phase_seconds = dict.fromkeys(PHASES, 0.0)
+        self.data_unlogged = 0.0     # seconds waited for batches beyond the log's bound (in no log entry)
         self.phase_log: list[tuple[str, float, float]] = []
         self.device_phases: list[tuple[str, Any, Any]] = []
         self.backward_start = 0.0
@@ -117,7 +125,10 @@ class Step:
 
         Floats and tensors are fine, and so are non-scalar values, reduced by
         the rules in ``rankscope.values`` (mean loss, total grad norm, first
-        group's lr). A CUDA tensor is read once the device is done with it.
+        group's lr). A CPU tensor is read off the training thread, after the
+        step; one modified in place before it is read is dropped and counted,
+        never reported with its new value. A CUDA tensor is read once the
+        device is done with it.
         """
         if not self.open:
             self.timer.on_drop("late_value", "step.observe() after its step ended")
@@ -168,57 +179,68 @@ class StepTimer:
         self.step = Step(self)
         self._next_number = 0
         self._pending_start = 0.0            # perf_counter when the first fetch since the last step began
-        self._pending_wait = 0.0
+        self._pending_unlogged = 0.0         # waits beyond MAX_PENDING_FETCHES, in no log entry
         self._pending_log: list[tuple[str, float, float]] = []
+        self.fetch_started = 0.0             # perf_counter when the batch being fetched now was asked for
+        self.block_started = 0.0             # perf_counter when the open checkpoint or evaluation block began
+
+    def busy_since(self) -> float:
+        """Since when (perf_counter) the loop is inside a step, a batch fetch or a block; 0 if it is not.
+        Read by the publisher thread: time before this point is settled, time after it is not."""
+        s = self.step
+        candidates = [t for t in (s.t0 if s.open else 0.0, self._pending_start, self.fetch_started,
+                                  self.block_started) if t]
+        return min(candidates) if candidates else 0.0
 
     def arm(self, samples: int, tokens: int, number: int | None) -> Step:
         s = self.step
         if s.open:
             raise _nested(s)
         s.samples, s.tokens = samples, tokens
-        s.number = self._next_number if number is None else number
+        if number is None:
+            s.number, s.numbered = self._next_number, False
+        else:
+            s.number, s.numbered = number, True
         return s
 
     def data_fetched(self, t0: float, t1: float) -> None:
         """A batch took from ``t0`` to ``t1`` (perf_counter) to arrive."""
+        self.fetch_started = 0.0
         s = self.step
         if s.open:
-            s.phase_seconds["data"] += t1 - t0
             s.phase_log.append(("data", t0, t1))
             return
         if not self._pending_start:
             self._pending_start = t0
-        self._pending_wait += t1 - t0
-        if len(self._pending_log) < 64:
+        if len(self._pending_log) < MAX_PENDING_FETCHES:
             self._pending_log.append(("data", t0, t1))
+        else:   # a loop that fetches without stepping: the wait still counts, its log entry does not
+            self._pending_unlogged += t1 - t0
+            self.on_drop("data_wait", f"more than {MAX_PENDING_FETCHES} batches fetched between two steps")
 
     def begin(self, s: Step) -> None:
         if s.open:
             raise _nested(s)
-        now = time.perf_counter()
         s.open = True
         self._next_number = s.number + 1
-        phases = s.phase_seconds
-        for k in phases:
-            phases[k] = 0.0
-        s.phase_log.clear()
-        if s.device_phases:
-            s.device_phases = []
         s.loss = s.grad_norm = s.lr = None
-        s.backward_end = s.backward_start = 0.0
+        s.backward_end = 0.0
         if self._pending_start:
             s.t0 = self._pending_start
-            phases["data"] = self._pending_wait
-            s.phase_log.extend(self._pending_log)
-            self._pending_start, self._pending_wait = 0.0, 0.0
-            self._pending_log.clear()
+            s.data_unlogged = self._pending_unlogged
+            s.phase_log = self._pending_log
+            self._pending_start = self._pending_unlogged = 0.0
+            self._pending_log = []
         else:
-            s.t0 = now
-        s.start_unix = time.time() - (now - s.t0)
+            s.t0 = perf_counter()
+            s.data_unlogged = 0.0
+            s.phase_log = []
+        if s.device_phases:
+            s.device_phases = []
         self.comm.step_started()
 
     def end(self, s: Step, exc: BaseException | None) -> None:
-        t1 = time.perf_counter()
+        t1 = perf_counter()
         s.open = False
         self._on_end(s, t1, exc)
 

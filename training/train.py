@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from rankscope.config import ConfigError
+from rankscope.flops import FlopsConfig
 from rankscope.monitor import Monitor
 
 IN_FEATURES, CLASSES = 32, 10
@@ -196,6 +197,16 @@ def evaluate(model: nn.Module, data: TeacherDataset, device, monitor: Monitor) -
     return loss_sum / n, correct_sum / n
 
 
+def model_flops(hidden: int) -> FlopsConfig:
+    """What the RANKSCOPE_ FLOPs variables say, else the reference model's own figure: each
+    parameter is one multiply-add per sample forward and two backward, 6 FLOPs in all."""
+    flops = FlopsConfig.from_env()
+    if flops.counts_flops:
+        return flops
+    params = sum(p.numel() for p in build_model(hidden).parameters())
+    return FlopsConfig.from_env(flops_per_sample=6 * params)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -210,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or share)))
     backend = "nccl" if cuda else "gloo"
     try:
-        monitor = Monitor(device=device, backend=backend, run=args.run_id, metrics_port=args.metrics_port)
+        monitor = Monitor(device=device, backend=backend, run=args.run_id, metrics_port=args.metrics_port,
+                          flops=model_flops(args.hidden))
     except ConfigError as e:
         print(f"rankscope-train: error: {e}", file=sys.stderr)
         return 2
@@ -292,7 +304,10 @@ def train(args: argparse.Namespace, monitor: Monitor, device: torch.device) -> N
     accuracy = monitor.gauge("eval_accuracy_ratio", "Accuracy of the reference model on the held-out set.")
     eval_loss_metric = monitor.gauge("eval_loss", "Loss of the reference model on the held-out set.")
     loss_fn = nn.CrossEntropyLoss()
-    step = load_checkpoint(args.checkpoint_dir, model, opt) if args.resume else 0
+    step = 0
+    if args.resume:
+        with monitor.checkpoint("restore"):
+            step = load_checkpoint(args.checkpoint_dir, model, opt)
     epoch, first, t_start = 0, step, time.perf_counter()
     comm_debug = CommCounts() if args.comm_debug else None
     while step < args.steps:
@@ -305,16 +320,17 @@ def train(args: argparse.Namespace, monitor: Monitor, device: torch.device) -> N
                 loss = train_step(monitor, model, opt, loss_fn, x, y, step, faults)
             step += 1
             if step % args.eval_every == 0 or step == args.steps:
-                with comm_debug.count("eval") if comm_debug else contextlib.nullcontext():
+                with monitor.evaluation(), comm_debug.count("eval") if comm_debug else contextlib.nullcontext():
                     eval_loss, acc = evaluate(model, eval_set, device, monitor)
-                time.sleep(args.eval_pause)
+                    time.sleep(args.eval_pause)
                 sched.step(eval_loss)
                 accuracy.set(acc)
                 eval_loss_metric.set(eval_loss)
                 if rank == 0:
                     print(f"step {step}: eval loss {eval_loss:.4f} accuracy {acc:.3f}", flush=True)
             if args.checkpoint_every and step % args.checkpoint_every == 0:
-                save_checkpoint(args.checkpoint_dir, step, model, opt, args.checkpoint_pause)
+                with monitor.checkpoint("save"):
+                    save_checkpoint(args.checkpoint_dir, step, model, opt, args.checkpoint_pause)
             if rank == 0 and step % args.print_every == 0:
                 print(f"step {step}/{args.steps} loss {loss.item():.4f} lr {opt.param_groups[0]['lr']:.4g} "
                       f"{1000 * (time.perf_counter() - t_start) / (step - first):.1f} ms/step", flush=True)

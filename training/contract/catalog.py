@@ -58,6 +58,9 @@ DROP_REASONS: dict[str, str] = {
     "collective": "a completed collective's timing evicted before it was published",
     "value": "an observed loss, grad_norm or lr that is not a number",
     "late_value": "a value observed after its step had ended",
+    "value_modified": "an observed CPU tensor modified in place after its step, before it was read",
+    "data_wait": "a batch's wait in the data-wait histogram (still in the data phase): more batches fetched "
+                 "between two steps than logged",
     "process_group": "a collective of a process group beyond the rank's budget (RANKSCOPE_MAX_PROCESS_GROUPS)",
     "flight_recorder": "a collective overwritten in torch's flight recorder ring before it was read",
     "sink": "a record of rank 0's TensorBoard / MLflow sink not written: its queue was full, the backend failed "
