@@ -159,6 +159,20 @@ THROUGHPUT_DROP = "(\n  " + _indent(hysteresis(
     "<<throughput_drop_ratio>>", "<<throughput_drop_hold_ratio>>", on="run")) + "\n)" \
     "\nunless on (run) rank:rankscope_steps:warming_up"
 
+# Goodput: the share of the run's wall time that trained, averaged over its ranks
+# (a hung, idle or frozen rank counts its 0). Judged once the window lies after
+# the run's first productive step: before it the run is starting (RunStalled's
+# start-up bar watches that), and a window reaching back before the counters
+# began reads low (rate() divides by the whole window) and would start the
+# hysteresis hold for a run that is above the bar. A relaunch is judged: its
+# start-up, restore and lost progress are the restart's real cost.
+GOODPUT_LOW = "(\n  " + _indent(hysteresis(
+    "RankscopeGoodputLow",
+    lambda bar: f"run:rankscope_goodput:ratio < {bar}",
+    "<<goodput_min_ratio>>", "<<goodput_hold_ratio>>", on="run")) + "\n)" \
+    "\nand on (run) (max by (run) (rankscope_wall_seconds_total{SEL,category=\"productive\"}" \
+    " offset <<goodput_window>>) > 0)"
+
 # A lost node: ranks that vanished with their exporter (rank:rankscope_rank_up:lost)
 # while the run's other ranks stopped. Torn down by the launcher (every visible
 # rank dead) is proof at once; stuck (blocked in a collective with the lost
@@ -228,6 +242,11 @@ def cause(name: str, alert: str, condition: str) -> Record:
 
 # Causes whose peers stall: a dead, lost, hung or frozen rank blocks the others.
 STALL_CAUSES = "rank_down|node_lost|hang_suspect|frozen|collective_behind"
+# Causes that explain a low goodput and page or warn for it themselves: a dead,
+# lost, hung or frozen rank, a stall (the ranks' time goes to idle), an
+# input-bound rank (its time goes to data_wait). A straggler does not lower
+# goodput: its peers' wait is inside their steps.
+GOODPUT_CAUSES = STALL_CAUSES + "|stalled|input_bound"
 
 
 RECORDING_RULES: tuple[Record, ...] = (
@@ -283,6 +302,28 @@ RECORDING_RULES: tuple[Record, ...] = (
     Record("run:rankscope_steps:rate", "avg by (run) (rate(rankscope_steps_total{SEL}[<<rate_window>>]))"),
     Record("run:rankscope_samples:rate", "sum by (run) (rate(rankscope_samples_total{SEL}[<<rate_window>>]))"),
     Record("run:rankscope_tokens:rate", "sum by (run) (rate(rankscope_tokens_total{SEL}[<<rate_window>>]))"),
+    # ---- goodput and MFU (docs/goodput.md) ----------------------------------------
+    # Productive seconds per wall second of each rank over goodput_window. A rank
+    # that hangs or idles (its wall time goes to idle) or is frozen (its counter
+    # stops) counts its 0. Finished ranks are left out: their clocks stop by design.
+    Record("rank:rankscope_goodput:ratio",
+           "sum without (category) (rate(rankscope_wall_seconds_total{SEL,category=\"productive\"}[<<goodput_window>>]))\n"
+           "unless on (run, rank) (rankscope_rank_state{SEL,state=\"finished\"} == 1)"),
+    Record("run:rankscope_goodput:ratio", "avg by (run) (rank:rankscope_goodput:ratio)"),
+    # Every category's share of wall time (productive: goodput; the others: badput
+    # by cause), averaged over the run's ranks; they add up to 1 per run.
+    Record("run_category:rankscope_wall_seconds:ratio",
+           "avg by (run, category) (\n"
+           "  rate(rankscope_wall_seconds_total{SEL}[<<goodput_window>>])\n"
+           "  unless on (run, rank) (rankscope_rank_state{SEL,state=\"finished\"} == 1)\n"
+           ")"),
+    # Model FLOPs utilisation: model FLOP/s over the device's dense peak, per rank;
+    # only where both exist (a FLOPs figure is configured, the GPU's peak is known).
+    Record("rank:rankscope_mfu:ratio",
+           "rate(rankscope_model_flops_total{SEL}[<<rate_window>>])\n"
+           "/ (rankscope_device_peak_flops{SEL} > 0)\n"
+           "unless on (run, rank) (rankscope_rank_state{SEL,state=\"finished\"} == 1)"),
+    Record("run:rankscope_mfu:ratio", "avg by (run) (rank:rankscope_mfu:ratio)"),
     # Mean collective latency per rank and op.
     Record("rank_op:rankscope_collective_duration_seconds:mean",
            "rate(rankscope_collective_duration_seconds_sum{SEL}[<<rate_window>>])\n"
@@ -544,6 +585,20 @@ ALERTS: tuple[Alert, ...] = (
           "{{ with printf `topk(1, rank:rankscope_step_duration_seconds:mean{run=\"%s\"})` $labels.run | query }}"
           "{{ range . }}rank {{ .Labels.rank }} on node {{ .Labels.node }} at {{ .Value | humanizeDuration }} per step"
           "{{ end }}{{ else }}unknown{{ end }}."),
+    # A ticket, not a page: the run goes on, only wastefully. Not for a finished
+    # run, nor while a cause that explains it pages or warns (GOODPUT_CAUSES).
+    Alert("RankscopeGoodputLow",
+          "(\n  " + _indent(GOODPUT_LOW) + "\n)\n"
+          "unless on (run) (max by (run) (rankscope_rank_state{SEL,state=\"finished\"}) == 1)\n"
+          f"unless on (run) run:rankscope_cause:present{{cause=~\"{GOODPUT_CAUSES}\"}}",
+          "warning",
+          "Goodput of run {{ $labels.run }} is low",
+          "Run {{ $labels.run }} trained only {{ $value | humanizePercentage }} of its ranks' wall time over the "
+          "last <<goodput_window>> (productive seconds per second, averaged over its ranks; the bar is "
+          "<<goodput_min_ratio>>). Most of the rest went to "
+          "{{ with printf `topk(1, run_category:rankscope_wall_seconds:ratio{run=\"%s\",category!=\"productive\"})` "
+          "$labels.run | query }}{{ range . }}{{ .Labels.category }} ({{ .Value | humanizePercentage }})"
+          "{{ end }}{{ else }}an unknown category{{ end }}."),
     # ---- GPUs ---------------------------------------------------------------
     Alert("RankscopeGPUUnderutilized",
           hysteresis("RankscopeGPUUnderutilized",

@@ -75,6 +75,7 @@ def test_keep_firing_for_is_rendered_and_valid(tmp_path):
     ("throughput_drop_ratio", "throughput_drop_hold_ratio", "below"),
     ("memory_headroom_min_ratio", "memory_headroom_hold_ratio", "below"),
     ("gpu_util_min_ratio", "gpu_util_hold_ratio", "below"),
+    ("goodput_min_ratio", "goodput_hold_ratio", "below"),
 ])
 def test_hysteresis_hold_bars_lie_on_the_safe_side(fire, hold, direction):
     """An alert that fires above (below) a bar holds while above (below) a LOWER (HIGHER) one."""
