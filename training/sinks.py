@@ -458,6 +458,12 @@ class TensorBoardBackend(Backend):
         return 0
 
 
+def _done(ops: Any) -> bool:
+    """Whether MLflow's RunOperations has finished (False where its futures cannot be seen)."""
+    futures = getattr(ops, "_operation_futures", None)
+    return futures is not None and all(f.done() for f in futures)
+
+
 class _OwnRunFilter(logging.Filter):
     """Keeps MLflow's async-logging error for each failed batch of the sink's run out of the log
     (each is counted as a drop, whose first reason is logged once); other runs' errors pass."""
@@ -516,8 +522,8 @@ class MlflowBackend(Backend):
         metrics = [Metric(k, float(v), ts, record.step) for k, v in record.scalars.items()]
         tags = [RunTag(MLFLOW_EVENT_TAG, "\n".join(record.events)[-5000:])] if record.events else []
         self.pending.append(self.client.log_batch(self.run_id, metrics, tags=tags, synchronous=False))
-        while len(self.pending) > MLFLOW_PENDING:   # bounded: MLflow's own queue has no limit
-            self._settle(self.pending.popleft())
+        while self.pending and (len(self.pending) > MLFLOW_PENDING or _done(self.pending[0])):
+            self._settle(self.pending.popleft())   # bounded: MLflow's own queue has no limit
 
     def _settle(self, ops: Any) -> None:
         try:

@@ -1,0 +1,404 @@
+"""Issue 17 (part 2): rank 0's TensorBoard and MLflow sink (rankscope.sinks, docs/sinks.md).
+
+Real 2-rank torchrun jobs of the reference trainer (gloo, 127.0.0.1, the
+exporter the Monitor starts) write one step-indexed run; it is read back with
+TensorBoard's own event reader and with ``MlflowClient``. A real ``mlflow
+server`` killed mid-run shows that training goes on (step rate before and
+after, printed, never asserted) and that the lost records are counted.
+
+The first tests are unit tests of the summary and of the start-up checks
+(no processes).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from rankscope import sinks
+from rankscope.config import MonitorConfig
+from rankscope.contract.environment import ConfigError
+from rankscope.identity import RankIdentity
+from tests.helpers.jobs import TrainJob, free_port, select, value, wait_until
+
+T = sinks.TAG
+STEP_TAGS = [T + "step_time/min", T + "step_time/median", T + "step_time/max", T + "slowest_rank",
+             T + "straggler_ratio", T + "comm_wait_fraction", T + "loss/spread", T + "loss/std"]
+EVENT_TAGS = [T + "events/nonfinite", T + "events/oom", T + "events/restarts", T + "events/hang_suspects",
+              T + "ranks/reporting"]
+SLOW = ["--step-delay", "0.01", "--slow-rank-delay", "0.03", "--fault-rank", "1"]   # rank 1: +30 ms of compute
+
+
+# -- the summary, on values as the exporter gives them ---------------------------------------
+def _rank(steps: float, dur: float, compute: float, comm: float, loss: float, ts: float, **kw) -> sinks.RankValues:
+    phases = {"forward": compute, "backward": 0.0, "optimizer": 0.0, "comm_wait": comm, "data": 0.0}
+    return sinks.RankValues(steps=steps, dur_sum=dur, dur_count=steps, phases=phases, loss=loss, step=steps - 1,
+                            step_ts=ts, start_ts=100.0, pids=frozenset({"1"}), state="progressing", **kw)
+
+
+def test_summary_of_two_scrapes():
+    s = sinks.Summarizer()
+    assert s.update({0: _rank(10, 1.0, 0.2, 0.5, 2.0, 1000.0), 1: _rank(10, 1.0, 0.7, 0.0, 2.2, 1000.0)}) is None
+    rec = s.update({0: _rank(30, 3.0, 0.6, 1.5, 1.0, 1002.0), 1: _rank(30, 3.2, 2.1, 0.0, 1.4, 1002.0)})
+    assert rec is not None and rec.step == 29
+    sc = rec.scalars
+    assert sc[T + "step_time/min"] == pytest.approx(0.1) and sc[T + "step_time/max"] == pytest.approx(0.11)
+    assert sc[T + "slowest_rank"] == 1 and sc[T + "straggler_ratio"] == pytest.approx((1.4 / 20) / (0.4 / 20))
+    assert sc[T + "comm_wait_fraction"] == pytest.approx(1.0 / 4.2)
+    assert sc[T + "comm_wait_fraction/max"] == pytest.approx(0.5)
+    assert sc[T + "loss/spread"] == pytest.approx(0.4) and sc[T + "loss/std"] == pytest.approx(0.2)
+    assert sc[T + "throughput/steps_per_s"] == pytest.approx(10.0)
+    # MFU and goodput only from the series they come from: absent here, so never written.
+    assert T + "mfu" not in sc and T + "goodput" not in sc
+    assert rec.events == []
+
+
+def test_summary_events_restarts_and_counter_resets():
+    s = sinks.Summarizer()
+    s.update({0: _rank(10, 1.0, 0.2, 0.0, 2.0, 1000.0), 1: _rank(10, 1.0, 0.2, 0.0, 2.0, 1000.0)})
+    r0 = _rank(20, 2.0, 0.4, 0.0, float("nan"), 1001.0, nonfinite=2.0, oom=1.0)
+    r1 = _rank(3, 0.3, 0.06, 0.0, 2.0, 1001.0)            # counters restarted from 0: a new process
+    r1.start_ts, r1.pids = 200.0, frozenset({"1", "2"})
+    rec = s.update({0: r0, 1: r1})
+    assert rec.scalars[T + "events/nonfinite"] == 2 and rec.scalars[T + "events/oom"] == 1
+    assert rec.scalars[T + "events/restarts"] == 1
+    assert rec.scalars[T + "step_time/max"] == pytest.approx(0.1)   # the reset counter's 3 steps, 0.3 s
+    assert rec.scalars[T + "loss/spread"] == 0                       # the NaN loss is an event, not a spread
+    text = "\n".join(rec.events)
+    assert "rank 0: 2 step(s) with a non-finite" in text and "rank 0: 1 out-of-memory" in text
+    assert "rank 1 restarted (process 2)" in text
+
+
+def test_summary_hang_is_written_once_at_the_step_reached():
+    s = sinks.Summarizer()
+    ok = {0: _rank(10, 1.0, 0.2, 0.0, 2.0, 1000.0), 1: _rank(10, 1.0, 0.2, 0.0, 2.0, 1000.0)}
+    s.update(ok)
+    assert s.update(ok) is not None      # the first record at this step
+    assert s.update(ok) is None          # nothing new: not written again
+    hung = {0: _rank(10, 1.0, 0.2, 0.0, 2.0, 1000.0), 1: _rank(10, 1.0, 0.2, 0.0, 2.0, 1000.0)}
+    hung[0].state, hung[1].state, hung[1].hang_suspect = "stuck_in_collective", "stuck", True
+    rec = s.update(hung)
+    assert rec.step == 9 and rec.scalars[T + "ranks/stalled"] == 2 and rec.scalars[T + "events/hang_suspects"] == 1
+    assert any("rank 1 is the hang suspect" in e for e in rec.events)
+    assert s.update(hung) is None
+
+
+def test_summary_mfu_and_goodput_when_published():
+    s = sinks.Summarizer()
+    a = _rank(10, 1.0, 0.2, 0.0, 2.0, 1000.0, flops=1e12, peak_flops=1e12, wall={"productive": 5.0, "idle": 5.0})
+    s.update({0: a})
+    b = _rank(20, 2.0, 0.4, 0.0, 2.0, 1002.0, flops=2e12, peak_flops=1e12, wall={"productive": 8.0, "idle": 6.0})
+    rec = s.update({0: b})
+    assert rec.scalars[T + "mfu"] == pytest.approx(0.5)       # 1e12 FLOPs in 2 s on a 1e12 FLOP/s device
+    assert rec.scalars[T + "goodput"] == pytest.approx(3.0 / 4.0)
+
+
+def test_parse_page_keeps_only_this_runs_ranks():
+    page = "\n".join([
+        '# TYPE rankscope_steps_total counter',
+        'rankscope_steps_total{local_rank="0",node="n",rank="0",run="a \\"b\\""} 5.0',
+        'rankscope_steps_total{local_rank="0",node="n",rank="0",run="other"} 7.0',
+        'rankscope_step_duration_seconds_bucket{le="0.1",local_rank="0",node="n",rank="0",run="a \\"b\\""} 5.0',
+        'rankscope_rank_state{local_rank="0",node="n",rank="0",run="a \\"b\\"",state="progressing"} 1.0',
+        'rankscope_rank_info{local_rank="0",node="n",process_id="42",rank="0",run="a \\"b\\""} 1.0',
+        'rankscope_loss{local_rank="0",node="n",rank="0",run="a \\"b\\""} NaN',
+    ])
+    ranks = sinks.parse_page(page, 'a "b"')
+    assert list(ranks) == [0]
+    r = ranks[0]
+    assert r.steps == 5 and r.state == "progressing" and r.pids == {"42"} and math.isnan(r.loss)
+
+
+# -- start-up checks -------------------------------------------------------------------------
+def _identity(rank: int = 0) -> RankIdentity:
+    return RankIdentity(run="r", rank=rank, local_rank=rank, world_size=2, local_world_size=2, node="n")
+
+
+class _Drops:
+    def __init__(self):
+        self.n = 0
+        self.reasons: list[str] = []
+
+    def drop(self, what: str, reason: str = "", n: int = 1) -> None:
+        assert what == "sink"
+        self.n += n
+        self.reasons.append(reason)
+
+
+def test_config_errors_name_the_option(tmp_path):
+    for env, words in [({"RANKSCOPE_MLFLOW_TRACKING_URI": "ftp://host/x"}, "RANKSCOPE_MLFLOW_TRACKING_URI"),
+                       ({"RANKSCOPE_SINK_EXPORTERS": "node1"}, "RANKSCOPE_SINK_EXPORTERS"),
+                       ({"RANKSCOPE_SINK_INTERVAL_S": "0"}, "sink_interval_s"),
+                       ({"RANKSCOPE_TENSORBOARD_DIR": str(Path(__file__))}, "is not a directory")]:
+        with pytest.raises(ConfigError, match=words):
+            MonitorConfig.from_env(env)
+    cfg = MonitorConfig.from_env({"RANKSCOPE_SINK_EXPORTERS": "n1:9400, https://n2:9401/metrics"})
+    assert sinks.exporter_urls(cfg.sink_exporters) == ["http://n1:9400/metrics", "https://n2:9401/metrics"]
+
+
+def test_build_checks_packages_directories_and_rank(tmp_path, monkeypatch):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    cfg = MonitorConfig.from_env({}, tensorboard_dir=ro / "tb", metrics_dir=tmp_path / "m")
+    if os.geteuid() != 0:   # root writes anywhere
+        with pytest.raises(ConfigError, match="cannot be written"):
+            sinks.build(cfg, _identity(), _Drops())
+    cfg = MonitorConfig.from_env({}, tensorboard_dir=tmp_path / "tb", metrics_dir=tmp_path / "m")
+    assert sinks.build(cfg, _identity(rank=1), _Drops()) is None          # only rank 0 writes
+    sink = sinks.build(cfg, _identity(), _Drops())
+    assert sink.urls == ["http://127.0.0.1:9400/metrics"] and [b.name for b in sink.backends] == ["tensorboard"]
+    with pytest.raises(ConfigError, match="exporter=off"):
+        sinks.build(MonitorConfig.from_env({}, tensorboard_dir=tmp_path / "tb", exporter="off",
+                                           metrics_dir=tmp_path / "m"), _identity(), _Drops())
+    with pytest.raises(ConfigError, match="does not exist"):
+        sinks.build(MonitorConfig.from_env({}, mlflow_tracking_uri=f"sqlite:///{tmp_path}/nowhere/m.db",
+                                           metrics_dir=tmp_path / "m"), _identity(), _Drops())
+    monkeypatch.setattr(sinks, "_missing", lambda module: True)
+    with pytest.raises(ConfigError, match=r"pip install 'rankscope\[tensorboard\]'"):
+        sinks.build(cfg, _identity(), _Drops())
+    with pytest.raises(ConfigError, match=r"pip install 'rankscope\[mlflow\]'"):
+        sinks.build(MonitorConfig.from_env({}, mlflow_tracking_uri="http://127.0.0.1:1",
+                                           metrics_dir=tmp_path / "m"), _identity(), _Drops())
+
+
+class _Stuck(sinks.Backend):
+    """A backend whose writes never return (a hung file system): the queue fills, records are dropped."""
+
+    name = "stuck"
+
+    def __init__(self):
+        import threading
+
+        self.release = threading.Event()
+
+    def open(self) -> None:
+        pass
+
+    def write(self, record: sinks.Record) -> None:
+        self.release.wait()
+
+
+def test_a_stuck_backend_drops_and_counts_and_never_blocks_the_caller():
+    drops = _Drops()
+    backend = _Stuck()
+    writer = sinks._Writer(backend, drops.drop)
+    writer.thread.start()
+    rec = sinks.Record(1, {T + "x": 1.0}, [], time.time())
+    t0 = time.perf_counter()
+    for _ in range(sinks.QUEUE_RECORDS + 10):
+        writer.offer(rec)
+    offered_s = time.perf_counter() - t0
+    assert drops.n >= 10, drops.n      # one in the backend's hands, QUEUE_RECORDS waiting, the rest dropped
+    print(f"{sinks.QUEUE_RECORDS + 10} offers to a stuck backend took {offered_s * 1e6:.0f} us; {drops.n} dropped")
+    backend.release.set()
+    writer.closing.set()
+    writer.thread.join(5)
+    assert not writer.thread.is_alive()
+
+
+def test_mlflow_backend_to_a_dead_server_counts_drops(tmp_path):
+    """In-process: the MLflow writer against a port nobody listens on. Every record is counted as
+    dropped, quickly (the sink's short HTTP settings, not MLflow's minutes of retries)."""
+    pytest.importorskip("mlflow")
+    drops = _Drops()
+    env_before = {k: os.environ.get(k) for k in sinks.MLFLOW_HTTP_DEFAULTS}
+    writer = sinks._Writer(sinks.MlflowBackend(f"http://127.0.0.1:{free_port()}", "rankscope", "dead"), drops.drop)
+    writer.thread.start()
+    try:
+        rec = sinks.Record(1, {T + "x": 1.0}, ["step 1: something"], time.time())
+        for _ in range(3):
+            writer.offer(rec)
+        wait_until(lambda: drops.n >= 3, timeout=60, what="three records counted as dropped")
+    finally:
+        writer.closing.set()
+        writer.thread.join(30)
+        for k, v in env_before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert not writer.thread.is_alive()
+    assert any("mlflow" in r for r in drops.reasons)
+
+
+# -- real jobs -------------------------------------------------------------------------------
+def _tb_scalars(log_dir: Path) -> dict[str, list]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]}
+
+
+def _check_series(series: dict[str, list[tuple[int, float]]]) -> None:
+    """The tags are there, steps increase, rank 1 (slowed) is named the slowest in every record."""
+    for tag in STEP_TAGS + EVENT_TAGS:
+        assert tag in series, f"no {tag}: {sorted(series)}"
+    for tag, points in series.items():
+        steps = [s for s, _ in points]
+        assert steps == sorted(steps), (tag, steps)
+        if tag in STEP_TAGS:
+            assert len(steps) == len(set(steps)), (tag, steps)   # a step-time record per step reached
+    assert len(series[T + "step_time/median"]) >= 5, series[T + "step_time/median"]
+    assert series[T + "step_time/median"][-1][0] >= 250          # the last record is near the last step (299)
+    slowest = [int(v) for _, v in series[T + "slowest_rank"]]
+    assert set(slowest) == {1}, slowest
+    ratios = [v for _, v in series[T + "straggler_ratio"]]
+    assert statistics.median(ratios) > 1.5, ratios
+    for tag in (T + "events/nonfinite", T + "events/oom", T + "events/restarts", T + "events/hang_suspects"):
+        assert all(v == 0 for _, v in series[tag]), (tag, series[tag])
+    assert all(v == 2 for _, v in series[T + "ranks/reporting"])
+    assert all(0 <= v <= 1 for _, v in series[T + "comm_wait_fraction"])
+    assert T + "mfu" not in series          # a CPU job publishes no device peak: MFU is never invented
+    for _, v in series.get(T + "goodput", []):
+        assert 0 <= v <= 1
+
+
+def _sink_drops(job: TrainJob) -> float:
+    return value(job.scrape(), "rankscope_telemetry_dropped_total", rank="0", what="sink") or 0.0
+
+
+def test_tensorboard_sink_in_a_real_job(tmp_path):
+    tb = tmp_path / "tb"
+    with TrainJob(nproc=2, steps=300, extra_args=SLOW,
+                  env={"RANKSCOPE_TENSORBOARD_DIR": str(tb), "RANKSCOPE_SINK_INTERVAL_S": "1"}) as job:
+        assert job.wait(timeout=180) == 0, job.log()[-3000:]
+        assert _sink_drops(job) == 0
+        run_dirs = list(tb.iterdir())
+        assert [d.name for d in run_dirs] == [job.run_id], run_dirs    # one run, from rank 0 only
+        assert len(list(run_dirs[0].glob("events.out.tfevents.*"))) == 1
+        scalars = _tb_scalars(run_dirs[0])
+    _check_series({tag: [(e.step, e.value) for e in events] for tag, events in scalars.items()})
+    print("tensorboard tags:", sorted(scalars))
+    print("slowest_rank / straggler_ratio:",
+          [(e.step, round(r.value, 2)) for e, r in zip(scalars[T + "slowest_rank"], scalars[T + "straggler_ratio"])])
+
+
+def test_mlflow_sink_in_a_real_job(tmp_path):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with TrainJob(nproc=2, steps=300, extra_args=SLOW,
+                  env={"RANKSCOPE_MLFLOW_TRACKING_URI": uri, "RANKSCOPE_SINK_INTERVAL_S": "1",
+                       "RANKSCOPE_MLFLOW_EXPERIMENT": "sink-test"}) as job:
+        assert job.wait(timeout=180) == 0, job.log()[-3000:]
+        assert _sink_drops(job) == 0
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("sink-test")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1, runs                       # one run per job, not per rank
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.data.tags[sinks.MLFLOW_RUN_TAG] == job.run_id
+    series = {key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+              for key in run.data.metrics}
+    _check_series(series)
+    print("mlflow metrics:", sorted(series))
+
+
+# -- a real MLflow server, killed mid-run ----------------------------------------------------
+class MlflowServer:
+    def __init__(self, root: Path):
+        self.root = root
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.log_path = root / "mlflow-server.log"
+        self.db = root / "mlflow.db"
+
+    def __enter__(self) -> "MlflowServer":
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{self.db}",
+             "--default-artifact-root", str(self.root / "artifacts"), "--host", "127.0.0.1",
+             "--port", str(self.port), "--workers", "1"],
+            cwd=self.root, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_until(self._healthy, timeout=90, interval=0.25, what="mlflow server /health")
+        return self
+
+    def _healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"mlflow server exited: {self.log_path.read_text()[-2000:]}")
+        with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+            return resp.status == 200
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)   # its own session: the server and its workers
+            self.proc.wait(timeout=10)
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+        self._log.close()
+
+
+def _window(job: TrainJob, seconds: float) -> dict[str, dict[str, float]]:
+    """Per rank, over ``seconds``: steps per second and mean step seconds (from the ranks' counters)."""
+    a = job.scrape()
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    b = job.scrape()
+    span = time.monotonic() - t0
+    out = {}
+    for r in ("0", "1"):
+        d = {n: value(b, n, rank=r) - value(a, n, rank=r)
+             for n in ("rankscope_steps_total", "rankscope_step_duration_seconds_sum",
+                       "rankscope_step_duration_seconds_count")}
+        out[r] = {"steps_per_s": d["rankscope_steps_total"] / span,
+                  "step_ms": 1000 * d["rankscope_step_duration_seconds_sum"] / max(d["rankscope_step_duration_seconds_count"], 1)}
+    return out
+
+
+def test_killed_mlflow_server_does_not_disturb_training(tmp_path):
+    from mlflow import MlflowClient
+
+    window_s = 6.0
+    with MlflowServer(tmp_path) as server:
+        with TrainJob(nproc=2, steps=1500, extra_args=["--step-delay", "0.02"],
+                      env={"RANKSCOPE_MLFLOW_TRACKING_URI": server.url, "RANKSCOPE_SINK_INTERVAL_S": "1",
+                           "RANKSCOPE_MLFLOW_EXPERIMENT": "killed"}) as job:
+            client = MlflowClient(f"sqlite:///{server.db}")   # the server's own store, readable after its death
+
+            def logged() -> int:
+                exp = client.get_experiment_by_name("killed")
+                runs = client.search_runs([exp.experiment_id]) if exp else []
+                return runs and len(client.get_metric_history(runs[0].info.run_id, T + "step_time/median"))
+
+            wait_until(lambda: logged() >= 3, timeout=90, what="three records through the live server")
+            job.wait_for(lambda s: all((value(s, "rankscope_steps_total", rank=r) or 0) >= 100 for r in ("0", "1")),
+                         timeout=60, what="100 steps")
+            before = _window(job, window_s)
+            assert _sink_drops(job) == 0
+            through_server = logged()
+            server.kill()
+            killed_at = time.monotonic()
+            after = _window(job, window_s)
+            wait_until(lambda: _sink_drops(job) > 0, timeout=60, what="records counted as dropped after the kill")
+            assert job.proc.poll() is None, "the job should outlive both windows (raise --steps)"
+            assert job.wait(timeout=180) == 0, job.log()[-3000:]
+            exited = time.time()
+            exit_after_kill = time.monotonic() - killed_at
+            final = job.scrape()
+            # From rank 0's last step to torchrun's exit: the last evaluation, the barrier, close() (the
+            # sink's last record and its failed writes included), process-group teardown.
+            tail_s = exited - value(final, "rankscope_last_step_timestamp_seconds", rank="0")
+            drops = value(final, "rankscope_telemetry_dropped_total", rank="0", what="sink")
+            assert select(final, "rankscope_rank_state", rank="0", state="finished")[0].value == 1
+            assert value(final, "rankscope_steps_total", rank="0") == 1500
+    assert drops > 0
+    for r in ("0", "1"):
+        print(f"rank {r}: before the kill {before[r]['steps_per_s']:.2f} steps/s, {before[r]['step_ms']:.1f} ms/step; "
+              f"after {after[r]['steps_per_s']:.2f} steps/s, {after[r]['step_ms']:.1f} ms/step "
+              f"({100 * (after[r]['step_ms'] / before[r]['step_ms'] - 1):+.1f}%)")
+    print(f"records through the live server: {through_server}; sink drops counted on rank 0: {drops:.0f}; "
+          f"job finished {exit_after_kill:.1f} s after the kill (rc 0), {tail_s:.2f} s after rank 0's last step")
