@@ -82,6 +82,22 @@ def test_observe_after_its_step_ended_is_counted_and_changes_nothing(monitor):
     assert got[("rankscope_telemetry_dropped_total", "late_value")] == 1
 
 
+def test_a_loss_tensor_modified_in_place_before_it_is_read_is_dropped_not_misreported(monitor):
+    """A CPU tensor is read after its step (off the training thread): a loop that reuses
+    the tensor it observed (a running total zeroed in place) must not publish the new value."""
+    running = torch.zeros(())
+    with monitor.step() as step:
+        running += 2.5
+        step.observe(loss=running)
+    running.zero_()                                   # before the publisher reads it
+    with monitor.step() as step:
+        step.observe(loss=torch.tensor(1.5))          # a fresh tensor: read as usual
+    got = published(monitor)
+    assert got[("rankscope_loss",)] == 1.5
+    assert got[("rankscope_telemetry_dropped_total", "value_modified")] == 1
+    assert got[("rankscope_steps_total",)] == 2
+
+
 # -- gradient accumulation: step time adds up to the loop's wall time ------------------
 
 class SlowLoader:

@@ -24,6 +24,7 @@ from rankscope import values
 from rankscope.contract.catalog import PHASES
 from rankscope.device_reads import DeviceStep, DeviceValue
 from rankscope.goodput import Progress, TimeUse
+from rankscope.holds import LongestHold
 from rankscope.health import GradNormTracker, LossTracker
 from rankscope.records import PhaseRecord, StepRecord
 
@@ -117,6 +118,7 @@ class StepAccounting:
         self._ended: deque[tuple] = deque()   # StepEnded tuples, training thread -> publisher
         self._median_step = 0.0
         self.steps_seen = 0
+        self.hold = LongestHold()       # the longest slice of absorb() between two GIL releases
 
     def swap(self) -> Accumulator:
         """The publisher takes what was collected and leaves an empty accumulator."""
@@ -220,6 +222,7 @@ class StepAccounting:
         ended = self._ended
         to_unix = time.time() - now
         slice_end = now + ABSORB_SLICE_S
+        self.hold.start()
         while ended:
             try:
                 entry = ended.popleft()
@@ -230,7 +233,9 @@ class StepAccounting:
             except Exception:
                 self._errors.error("step")
             if time.perf_counter() > slice_end and ended:
+                self.hold.stop()
                 time.sleep(GIL_YIELD_S)
+                self.hold.start()
                 slice_end = time.perf_counter() + ABSORB_SLICE_S
         self._time_use.until(min(busy, now) if busy else now)
         wall = self._time_use.take()
@@ -239,6 +244,7 @@ class StepAccounting:
             for k, v in wall.items():
                 acc_wall[k] = acc_wall.get(k, 0.0) + v
         self._progress.save(self._time_use.highest_step)
+        self.hold.stop()
 
     def _absorb_interval(self, category: str, t0: float, t1: float) -> None:
         if category == "failed_step":

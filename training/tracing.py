@@ -46,6 +46,7 @@ from typing import Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
 from rankscope.contract.environment import ConfigError, env_value
+from rankscope.holds import LongestHold
 from rankscope.identity import RankIdentity
 from rankscope.records import StepRecord
 
@@ -77,6 +78,11 @@ ATTR_BYTES = "rankscope.collective.bytes"
 ATTR_BUCKET = "rankscope.collective.bucket"
 ROOT_SPAN = "train_step"
 
+
+# Spans per OTLP export. The SDK's default is 512, but serialising 512 spans takes ~5 ms of
+# Python on the batch processor's thread, holding the GIL the training thread may want
+# back; 64 take ~0.6 ms (docs/performance.md, "GIL holds").
+DEFAULT_BSP_EXPORT_BATCH = 64
 
 class Tracing:
     """Tracing turned off: no spans, no threads, nothing held."""
@@ -110,7 +116,7 @@ class TracingConfig:
     bsp_queue: int                 # spans the batch processor may hold
     headers: dict[str, str] | None = None
     schedule_delay_ms: int = DEFAULT_BSP_SCHEDULE_DELAY_MS
-    batch_size: int = 512
+    batch_size: int = DEFAULT_BSP_EXPORT_BATCH
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "TracingConfig | None":
@@ -127,7 +133,7 @@ class TracingConfig:
         timeout = _positive_float(env, "RANKSCOPE_TRACE_EXPORT_TIMEOUT_S", DEFAULT_EXPORT_TIMEOUT_S)
         bsp_queue = _positive_int(env, "OTEL_BSP_MAX_QUEUE_SIZE", DEFAULT_BSP_QUEUE)
         delay_ms = _positive_int(env, "OTEL_BSP_SCHEDULE_DELAY", DEFAULT_BSP_SCHEDULE_DELAY_MS)
-        batch_size = _positive_int(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)
+        batch_size = _positive_int(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", DEFAULT_BSP_EXPORT_BATCH)
         protocol_var = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" if env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                         else "OTEL_EXPORTER_OTLP_PROTOCOL")
         protocol = env.get(protocol_var, "").strip() or "grpc"
@@ -277,6 +283,7 @@ class OtlpTracing(Tracing):
         self.provider = TracerProvider(resource=resource, id_generator=self._ids, shutdown_on_exit=False)
         self.provider.add_span_processor(self.processor)
         self.tracer = self.provider.get_tracer("rankscope")
+        self.hold = LongestHold()   # the longest span-building stretch of the worker
         self._worker = threading.Thread(target=self._work, name="rankscope-spans", daemon=True)
         self._worker.start()
 
@@ -307,10 +314,12 @@ class OtlpTracing(Tracing):
             record = self._records.get()
             if record is None:
                 return
+            self.hold.start()
             try:
                 self._emit(record)
             except Exception:
                 self._on_error()
+            self.hold.stop()
 
     def _emit(self, record: StepRecord) -> None:
         if self.exporter.collector_down() or not self.processor.has_room(count_spans(record)):
@@ -443,6 +452,7 @@ class CountingExporter:
         self.last_ok = True
         self.failed_at = 0.0                 # monotonic time of the last failed export
         self._logged = False
+        self.hold = LongestHold()            # the longest export: serialising runs Python on the SDK's thread
 
     def export(self, spans: Sequence):
         from opentelemetry.sdk.trace.export import SpanExportResult
@@ -457,10 +467,12 @@ class CountingExporter:
         if self.collector_down():
             self.failed += n
             return SpanExportResult.FAILURE
+        self.hold.start()
         try:
             result = self.inner.export(spans)
         except Exception:
             result = SpanExportResult.FAILURE
+        self.hold.stop()
         self.last_ok = result is SpanExportResult.SUCCESS
         if self.last_ok:
             self.succeeded += n

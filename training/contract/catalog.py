@@ -52,7 +52,8 @@ NONFINITE_WHAT: tuple[str, ...] = ("loss", "grad")
 ERROR_COMPONENTS: tuple[str, ...] = ("step", "publisher", "memory", "collectives", "loss", "tracing", "user")
 # What rankscope had to throw away (rankscope_telemetry_dropped_total{what}).
 DROP_REASONS: dict[str, str] = {
-    "step_duration": "a step's duration (the step is still counted): more steps between two publishes than buffered",
+    "step_duration": "a step's duration and values (the step is still counted): more steps between two publishes "
+                     "than buffered",
     "device_value": "a CUDA loss or grad-norm value evicted before the device finished it",
     "device_step": "a CUDA step's phase timings evicted before the device finished them",
     "collective": "a completed collective's timing evicted before it was published",
