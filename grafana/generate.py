@@ -140,7 +140,8 @@ def _targets(panel, targets):
 
 
 def ts(title: str, description: str, unit: str, targets: list, *, w: int = 12, h: int = 8,
-       stack: bool = False, bars: bool = False, soft_min: float | None = 0):
+       stack: bool = False, bars: bool = False, soft_min: float | None = 0, no_value: str | None = None):
+    """A time series panel; ``no_value`` is the text shown where the queries return nothing."""
     p = (timeseries.Panel().title(title).description(description).unit(unit).datasource(DATASOURCE)
          .span(w).height(h).line_width(1).fill_opacity(10)
          .legend(common_builders.VizLegendOptions().show_legend(True)
@@ -152,6 +153,8 @@ def ts(title: str, description: str, unit: str, targets: list, *, w: int = 12, h
         p = p.stacking(common_builders.StackingConfig().mode(common.StackingMode.NORMAL)).fill_opacity(60)
     if bars:
         p = p.draw_style(common.GraphDrawStyle.BARS).fill_opacity(80)
+    if no_value is not None:
+        p = p.no_value(no_value)
     return _targets(p, targets)
 
 
@@ -332,6 +335,48 @@ def run_overview() -> dash.Dashboard:
                "loss spike rank {{rank}}"),
          query(f"sum by (rank) (increase(rankscope_grad_norm_spikes_total{{{SEL}}}[{RATE}])) > 0",
                "grad-norm spike rank {{rank}}")], bars=True))
+
+    # Goodput and MFU (docs/goodput.md): where the ranks' wall time goes, and how
+    # much of the device's peak the model's FLOPs reach.
+    d = d.with_row(dash.Row("Goodput and efficiency"))
+    d = d.with_panel(ts(
+        "Goodput",
+        "Productive seconds per wall second (step time that trained), per rank, and the run's average over its "
+        "ranks as the RankscopeGoodputLow alert sees it (5m window; it warns below 50% for 30m). A hung or idle "
+        "rank reads 0. Productive + the badput categories (next panel) = wall time.",
+        "percentunit",
+        [query(f"run:rankscope_goodput:ratio{{{RUN_SEL}}}", "run (5m, alert basis)"),
+         query(f'sum by (node, rank) (rate(rankscope_wall_seconds_total{{{SEL}, category="productive"}}[{RATE}]))',
+               "rank {{rank}} ({{node}})")]))
+    d = d.with_panel(ts(
+        "Where the wall time goes",
+        "Share of wall time per category, averaged over the selected ranks: productive (goodput), startup, "
+        "data_wait, checkpoint_save, checkpoint_restore, evaluation, lost_progress (steps repeated after a "
+        "relaunch), idle (gaps between steps, failed steps). The stack adds up to 100%, less the time of steps "
+        "still under way: a step is attributed when it ends, so in a hang the stack shrinks towards 0.",
+        "percentunit",
+        [query(f"avg by (category) (rate(rankscope_wall_seconds_total{{{SEL}}}[{RATE}]))", "{{category}}")],
+        stack=True))
+    d = d.with_panel(ts(
+        "Data wait tail",
+        "The wait for each batch from the data loader: p99 per rank, and the longest wait of all selected ranks "
+        "(the upper bound of the highest histogram bucket that holds one; a wait above 30 s reads 30 s). "
+        "Multi-second loader stalls show here even when the mean data share is small.",
+        "s",
+        [query(f"histogram_quantile(0.99, sum by (node, rank, le) "
+               f"(rate(rankscope_data_wait_seconds_bucket{{{SEL}}}[{RATE}])))", "p99 rank {{rank}} ({{node}})"),
+         query(f"histogram_quantile(1, sum by (le) (rate(rankscope_data_wait_seconds_bucket{{{SEL}}}[{RATE}])))",
+               "max, all ranks")]))
+    d = d.with_panel(ts(
+        "MFU (model FLOPs utilisation)",
+        "Model FLOP/s over the device's dense peak FLOP/s for the configured dtype, per rank, and the run's "
+        "average (2m window). Needs a FLOPs figure (RANKSCOPE_FLOPS_PER_TOKEN, RANKSCOPE_FLOPS_PER_SAMPLE or "
+        "RANKSCOPE_MODEL_PARAMS) and a GPU whose peak is known (or RANKSCOPE_PEAK_FLOPS): empty on CPU.",
+        "percentunit",
+        [query(f"sum by (node, rank) (rate(rankscope_model_flops_total{{{SEL}}}[{RATE}]))\n"
+               f"/ sum by (node, rank) (rankscope_device_peak_flops{{{SEL}}} > 0)", "rank {{rank}} ({{node}})"),
+         query(f"run:rankscope_mfu:ratio{{{RUN_SEL}}}", "run average (2m)")],
+        no_value="No MFU: it needs a GPU with a known peak FLOP/s and a FLOPs figure (never on CPU; docs/goodput.md)"))
 
     d = d.with_row(dash.Row("Ranks and alerts"))
     d = d.with_panel(table_panel(

@@ -79,6 +79,10 @@ NO_DATA_HERE = {
     ("rankscope-memory-devices", "Device memory per rank", "B"): CPU_ALLOCATOR,  # peak allocated
     ("rankscope-memory-devices", "Device memory per rank", "C"): CPU_ALLOCATOR,  # reserved
     ("rankscope-memory-devices", "Memory headroom", "A"): CPU_ALLOCATOR,  # device headroom
+    ("rankscope-run-overview", "MFU (model FLOPs utilisation)", None):
+        "CPU run: no device peak FLOP/s (rankscope_device_peak_flops exists only on a GPU whose peak is known), "
+        "so no MFU, although the trainer counts model FLOPs; the panel shows its no-data text; checked: the "
+        "query executes",
     ("rankscope-communication", "Collective duration p50 per process group", None):
         "gloo records no collective durations in torch's flight recorder (NCCL with timing on does; "
         "tests/gpu/test_gpu.py); checked: the query executes",
