@@ -1,7 +1,8 @@
 """The ranks of this node: their own metrics, and their state as seen from outside.
 
 Each scrape merges the multiprocess files of every run in the directory
-(prometheus_client's own merge), then derives what a rank cannot say about
+(``rankscope.exporter.reader``: prometheus_client's merge, replayed on keys
+parsed once and values read incrementally), then derives what a rank cannot say about
 itself: whether its process is alive, whether its interpreter still runs
 (heartbeat), whether it is stuck, and whether it is the likely culprit of a
 hang (outside any collective while its peers wait inside one).
@@ -14,17 +15,18 @@ slowed by, nor races with, a deletion.
 from __future__ import annotations
 
 import glob
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.multiprocess import MultiProcessCollector
 
 from rankscope.exporter.catalog import BY_NAME as EXPORTER_SPECS
 from rankscope.exporter.catalog import RANK_STATES
 from rankscope.exporter.config import ExporterConfig
+from rankscope.exporter.reader import MergedFamily, Reader
 from rankscope.contract.catalog import COLLECTIVE_OPS, EAGER_COLLECTIVE_OPS, IDENTITY_LABELS
 from rankscope.contract.rundir import (RANKS_SUBDIR, Registration, db_file_pid, latest_per_rank,
                                        load_registrations, process_state)
@@ -78,6 +80,9 @@ class RankCollector:
     def __init__(self, cfg: ExporterConfig):
         self.cfg = cfg
         self.state_counts: dict[str, int] = dict.fromkeys(RANK_STATES, 0)
+        self.reader = Reader()
+        # The scrape and the janitor (expired_run_dirs) share the reader's caches.
+        self._lock = threading.Lock()
 
     def run_dirs(self) -> list[Path]:
         return sorted(p.parent for p in self.cfg.directory.glob(f"*/{RANKS_SUBDIR}") if p.is_dir())
@@ -87,7 +92,10 @@ class RankCollector:
         now = time.time()
         families = _derived_families()
         counts = dict.fromkeys(RANK_STATES, 0)
-        for run_dir in self.run_dirs():
+        run_dirs = self.run_dirs()
+        with self._lock:
+            self.reader.forget_except(run_dirs)
+        for run_dir in run_dirs:
             views, merged = self._collect_run(run_dir, now)
             yield from merged
             for v in views:
@@ -118,9 +126,10 @@ class RankCollector:
         # A dead process's live* gauges (heartbeat, in-flight) are left out of
         # the merge, as prometheus_client's mark_process_dead would, but without
         # deleting them; its counters and histograms stay so rates do not reset.
-        files = [f for f in glob.glob(str(run_dir / "*.db"))
-                 if not (Path(f).name.startswith("gauge_live") and db_file_pid(Path(f)) in dead_pids)]
-        merged = MultiProcessCollector.merge(files, accumulate=True) if files else []
+        files = sorted(f for f in glob.glob(str(run_dir / "*.db"))
+                       if not (Path(f).name.startswith("gauge_live") and db_file_pid(Path(f)) in dead_pids))
+        with self._lock:
+            merged = self.reader.merge(run_dir, files)
         index = _index(merged)
         views = []
         for rank, reg in sorted(latest.items()):
@@ -143,7 +152,10 @@ class RankCollector:
         # merge) but not their identity series.
         for metric in merged:
             if metric.name == "rankscope_rank_info":
-                metric.samples = [s for s in metric.samples if s.labels.get("process_id") in latest_pids]
+                if isinstance(metric, MergedFamily):
+                    metric.keep_only("process_id", latest_pids)
+                else:
+                    metric.samples = [s for s in metric.samples if s.labels.get("process_id") in latest_pids]
         return views, merged
 
 
@@ -159,6 +171,14 @@ def _index(merged: Iterable[Metric]) -> dict[tuple, float]:
     out: dict[tuple, float] = {}
     for metric in merged:
         if metric.name not in wanted:
+            continue
+        if isinstance(metric, MergedFamily):
+            for _, labels, value in metric.items():
+                labels = dict(labels)
+                key = (metric.name, labels.get("run", ""), labels.get("rank", ""))
+                if "op" in labels:
+                    key += (labels["op"],)
+                out[key] = value
             continue
         for s in metric.samples:
             key = (metric.name, s.labels.get("run", ""), s.labels.get("rank", ""))
