@@ -34,11 +34,12 @@ import time
 from typing import Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from rankscope.exporter import __version__
 from rankscope.exporter.config import ExporterConfig
+from rankscope.exporter.exposition import make_metrics_app
 from rankscope.exporter.webconfig import WebConfig
 
 log = logging.getLogger("rankscope.exporter")
@@ -165,7 +166,8 @@ def make_app(cfg: ExporterConfig, registry: CollectorRegistry, lock: threading.L
              web: WebConfig | None = None):
     started = {"pid": os.getpid(), "service": "rankscope-exporter", "version": __version__,
                "directory": str(cfg.directory), "node": cfg.node}
-    metrics = _SharedCollection(make_wsgi_app(registry))
+    # prometheus_client's make_wsgi_app, rendering from cached series prefixes (exposition.py).
+    metrics = _SharedCollection(make_metrics_app(registry))
     if lock is not None:
         metrics.lock = lock
     web = web or WebConfig()
