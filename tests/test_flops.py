@@ -241,3 +241,14 @@ def test_importing_flops_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
 
+
+
+def test_docs_show_the_peak_table():
+    """docs/goodput.md shows exactly PEAK_FLOPS (regenerate the block with peak_table_markdown())."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "goodput.md").read_text()
+    block = text.split("<!-- peak-flops:start -->\n", 1)[1].split("\n<!-- peak-flops:end -->", 1)[0]
+    assert block == flops.peak_table_markdown()
+    for variable in flops.ENV_VARIABLES:
+        assert f"`{variable}`" in text, variable

@@ -29,6 +29,7 @@ from rankscope.contract.environment import ConfigError, setting
 
 __all__ = [
     "DTYPES", "PEAK_FLOPS", "FlopsConfig", "flops_per_token", "lookup_peak_flops", "canonical_gpu", "mfu",
+    "peak_table_markdown",
 ]
 
 DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "tf32", "fp8")
@@ -125,6 +126,16 @@ _MATCH: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("4090", ("rtx",), "RTX 4090"),    # "NVIDIA GeForce RTX 4090"
     ("6000", ("rtx", "ada"), "RTX 6000 Ada"),  # "NVIDIA RTX 6000 Ada Generation"
 )
+
+
+def peak_table_markdown() -> str:
+    """``PEAK_FLOPS`` as the Markdown table of docs/goodput.md (TFLOP/s; tests/test_flops.py
+    checks that the document shows exactly this)."""
+    lines = ["| GPU (entry) | bf16 | fp16 | tf32 | fp32 | fp8 |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for entry, peaks in PEAK_FLOPS.items():
+        cells = [f"{peaks[d] / 1e12:g}" if d in peaks else "–" for d in ("bf16", "fp16", "tf32", "fp32", "fp8")]
+        lines.append(f"| {entry} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def canonical_gpu(name: str | None) -> str | None:
