@@ -73,3 +73,10 @@ def test_accuracy_quick():
         assert r["rankscope_step_count"] == 15
         assert r["rankscope_allreduce_count"] == 5
         assert r["rankscope_step_mean_s"] == pytest.approx(r["trainer_step_mean_s"], rel=0.5)
+
+
+def test_step_segments_quick():
+    _, figures = run_benchmark("step_segments.py")
+    assert figures["benchmark"] == "step_segments" and figures["pairs"] == 100
+    assert set(figures["segments"]) >= {"step_enter", "step_exit", "whole_step"}
+    assert figures["segments"]["whole_step"]["bare_median_us"] > 0
