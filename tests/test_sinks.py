@@ -40,7 +40,8 @@ SLOW = ["--step-delay", "0.01", "--slow-rank-delay", "0.03", "--fault-rank", "1"
 
 # -- the summary, on values as the exporter gives them ---------------------------------------
 def _rank(steps: float, dur: float, compute: float, comm: float, loss: float, ts: float, **kw) -> sinks.RankValues:
-    phases = {"forward": compute, "backward": 0.0, "optimizer": 0.0, "comm_wait": comm, "data": 0.0}
+    phases = {"forward": compute, "backward": 0.0, "optimizer": 0.0, "comm_wait": comm, "data": 0.0,
+              "other": dur - compute - comm}   # phases add up to the step time
     return sinks.RankValues(steps=steps, dur_sum=dur, dur_count=steps, phases=phases, loss=loss, step=steps - 1,
                             step_ts=ts, start_ts=100.0, pids=frozenset({"1"}), state="progressing", **kw)
 
@@ -52,7 +53,8 @@ def test_summary_of_two_scrapes():
     assert rec is not None and rec.step == 29
     sc = rec.scalars
     assert sc[T + "step_time/min"] == pytest.approx(0.1) and sc[T + "step_time/max"] == pytest.approx(0.11)
-    assert sc[T + "slowest_rank"] == 1 and sc[T + "straggler_ratio"] == pytest.approx((1.4 / 20) / (0.4 / 20))
+    # compute shares of the phase seconds: rank 1 1.4 of 2.2 s, rank 0 0.4 of 2.0 s
+    assert sc[T + "slowest_rank"] == 1 and sc[T + "straggler_ratio"] == pytest.approx((1.4 / 2.2) / (0.4 / 2.0))
     assert sc[T + "comm_wait_fraction"] == pytest.approx(1.0 / 4.2)
     assert sc[T + "comm_wait_fraction/max"] == pytest.approx(0.5)
     assert sc[T + "loss/spread"] == pytest.approx(0.4) and sc[T + "loss/std"] == pytest.approx(0.2)

@@ -10,9 +10,9 @@ the hot path), and writes one record of job-wide figures per interval, at the
 highest training step any rank has reached (docs/sinks.md):
 
     rankscope/step_time/{min,median,max}   mean step seconds of each rank over the interval, across ranks
-    rankscope/slowest_rank                 the rank with the most compute (forward+backward+optimizer) per step
-    rankscope/straggler_ratio              its compute per step over the median of its peers'
-    rankscope/comm_wait_fraction[/max]     comm_wait phase seconds / step seconds (all ranks pooled; worst rank)
+    rankscope/slowest_rank                 the rank whose step time goes most to compute (forward+backward+optimizer)
+    rankscope/straggler_ratio              its compute share over the median of its peers'
+    rankscope/comm_wait_fraction[/max]     comm_wait phase seconds / step (phase) seconds (all ranks pooled; worst rank)
     rankscope/loss/{mean,spread,std}       across the ranks' last finite loss
     rankscope/throughput/steps_per_s       steps per second, mean over ranks
     rankscope/mfu, rankscope/goodput       only when the ranks publish the series they come from
@@ -340,20 +340,24 @@ class Summarizer:
             d_sum, d_count = _delta(r.dur_sum, p.dur_sum), _delta(r.dur_count, p.dur_count)
             if d_sum is not None and d_count:
                 step_means[rank] = d_sum / d_count
-                d_comm = _delta(r.phases.get("comm_wait"), p.phases.get("comm_wait"))
-                if d_comm is not None and d_sum > 0:
-                    comm_total += d_comm
-                    step_total += d_sum
-                    comm_fraction[rank] = d_comm / d_sum
+            # Shares of the rank's phase seconds, which add up to its step time: a numerator and a
+            # denominator from one counter family, so they cover the same steps even when a scrape
+            # falls between the publisher's writes of the step counter and of the phases.
+            d_phases = [d for d in (_delta(v, p.phases.get(ph)) for ph, v in r.phases.items()) if d is not None]
+            phase_total = sum(d_phases)
+            if phase_total > 0:
+                d_comm = _delta(r.phases.get("comm_wait"), p.phases.get("comm_wait")) or 0.0
+                comm_total += d_comm
+                step_total += phase_total
+                comm_fraction[rank] = d_comm / phase_total
+                d_compute = [_delta(r.phases.get(ph), p.phases.get(ph)) for ph in COMPUTE_PHASES]
+                if all(d is not None for d in d_compute):
+                    compute[rank] = sum(d_compute) / phase_total   # type: ignore[arg-type]
             # Rates over the rank's own clock (its last steps' completion times), not over the scrapes'
             # (the values reach the exporter up to a publish interval late).
             span = r.step_ts - p.step_ts if _finite(r.step_ts) and _finite(p.step_ts) else 0.0
-            if d_steps:
-                d_compute = [_delta(r.phases.get(ph), p.phases.get(ph)) for ph in COMPUTE_PHASES]
-                if all(d is not None for d in d_compute):
-                    compute[rank] = sum(d_compute) / d_steps   # type: ignore[arg-type]
-                if span > 0:
-                    rates.append(d_steps / span)
+            if d_steps and span > 0:
+                rates.append(d_steps / span)
             d_flops = _delta(r.flops, p.flops)
             if d_flops is not None and _finite(r.peak_flops) and r.peak_flops > 0 and span > 0:
                 mfu.append(d_flops / span / r.peak_flops)
