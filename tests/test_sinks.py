@@ -404,3 +404,49 @@ def test_killed_mlflow_server_does_not_disturb_training(tmp_path):
               f"({100 * (after[r]['step_ms'] / before[r]['step_ms'] - 1):+.1f}%)")
     print(f"records through the live server: {through_server}; sink drops counted on rank 0: {drops:.0f}; "
           f"job finished {exit_after_kill:.1f} s after the kill (rc 0), {tail_s:.2f} s after rank 0's last step")
+
+
+# -- two nodes, one hung rank: the other node's exporter through RANKSCOPE_SINK_EXPORTERS --------
+def test_two_nodes_and_a_hang_through_sink_exporters(tmp_path):
+    """Two torchrun agents as two nodes (two ranks each, each node its exporter). Rank 0's sink
+    reads node-b's exporter through RANKSCOPE_SINK_EXPORTERS, so it sees all four ranks, and records
+    the hang of rank 3 (before the all-reduce of step 30) once: at step 29, as a count and as text."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    run_id = f"sink-nodes-{free_port()}"
+    rdzv = free_port()
+    states = {"RANKSCOPE_STUCK_AFTER_S": "5", "RANKSCOPE_FROZEN_AFTER_S": "4", "RANKSCOPE_SUSPECT_AFTER_S": "5",
+              "OMP_NUM_THREADS": "1"}
+    node_b = TrainJob(nproc=2, steps=100_000, run_id=run_id, nodes=(2, 1, rdzv),
+                      extra_args=["--hang-at", "30", "--step-delay", "0.01"],
+                      env={**states, "RANKSCOPE_NODE": "node-b"})
+    node_a = TrainJob(nproc=2, steps=100_000, run_id=run_id, nodes=(2, 0, rdzv),
+                      extra_args=["--hang-at", "30", "--step-delay", "0.01"],
+                      env={**states, "RANKSCOPE_NODE": "node-a", "RANKSCOPE_TENSORBOARD_DIR": str(tb),
+                           "RANKSCOPE_SINK_INTERVAL_S": "1", "RANKSCOPE_SINK_EXPORTERS": f"127.0.0.1:{node_b.port}"})
+
+    def hang_recorded():
+        acc = EventAccumulator(str(tb / run_id), size_guidance={"scalars": 0, "tensors": 0})
+        acc.Reload()
+        tags = acc.Tags()
+        if T + "events/hang_suspects" not in tags["scalars"]:
+            return None
+        if not any(e.value >= 1 for e in acc.Scalars(T + "events/hang_suspects")):
+            return None
+        return acc
+
+    with node_a, node_b:
+        acc = wait_until(hang_recorded, timeout=180, interval=1, what="the hang suspect in the TensorBoard run")
+        time.sleep(4)   # four more intervals of the hang: nothing new, so no new record
+        acc.Reload()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    assert max(v for _, v in scalars[T + "ranks/reporting"]) == 4, scalars[T + "ranks/reporting"]
+    suspects = [(s, v) for s, v in scalars[T + "events/hang_suspects"] if v >= 1]
+    assert suspects[0] == (29, 1.0), scalars[T + "events/hang_suspects"]
+    assert len(suspects) == 1, suspects                # written once, not every interval of the hang
+    texts = [t.tensor_proto.string_val[0].decode() for tag in acc.Tags()["tensors"] if tag.startswith(sinks.EVENTS_TEXT_TAG)
+             for t in acc.Tensors(tag)]
+    assert any("step 29: rank 3 is the hang suspect" in t for t in texts), texts
+    print("event text:", texts)
+    print("hang_suspects:", scalars[T + "events/hang_suspects"][-4:], "stalled:", scalars[T + "ranks/stalled"][-4:])
