@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from rankscope.contract.environment import ConfigError
 from rankscope.contract.rundir import load_registrations
 from rankscope.exporter.collector import NodeCollector
+from rankscope.exporter.compaction import Compactor
 from rankscope.exporter.config import ExporterConfig, ExporterConfigError
 from rankscope.exporter.ranks import RankCollector
 from rankscope.exporter.server import make_app, serve
@@ -55,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"is a hang suspect {default('suspect_after_s')}")
     p.add_argument("--retention", type=float, help="seconds a finished or dead run is still served, "
                    f"then its files are removed {default('retention_s')}")
+    p.add_argument("--compact-after", type=float, help="seconds a rank process must have been dead before its "
+                   "files are folded into its launch's compacted files, 0: at once "
+                   f"{default('compact_after_s')}")
     p.add_argument("--exit-when-idle", type=float, help="exit after no rank has been alive for this many seconds, "
                    f"0: never {default('exit_when_idle_s')}")
     p.add_argument("--no-nvml", action="store_true", help="do not read GPUs through NVML")
@@ -67,7 +71,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
     return ExporterConfig.from_env(
         env, directory=args.dir, addr=args.addr, port=args.port, node=args.node,
         stuck_after_s=args.stuck_after, frozen_after_s=args.frozen_after, suspect_after_s=args.suspect_after,
-        retention_s=args.retention, exit_when_idle_s=args.exit_when_idle,
+        retention_s=args.retention, compact_after_s=args.compact_after, exit_when_idle_s=args.exit_when_idle,
         nvml=False if args.no_nvml else None, web_config=args.web_config)
 
 
@@ -129,10 +133,12 @@ def _prepare_directory(directory: Path, name: str) -> None:
 
 def _janitor(server, cfg: ExporterConfig, ranks: RankCollector, scrape_lock: threading.Lock) -> None:
     """Everything that deletes, away from the scrapes (which only read): removes
-    runs past their retention and, with --exit-when-idle, stops the server once
-    no rank has been alive that long (auto-started exporters go away with their runs)."""
+    runs past their retention, compacts dead processes' files (compaction.py) and,
+    with --exit-when-idle, stops the server once no rank has been alive that long
+    (auto-started exporters go away with their runs)."""
     last_alive = time.time()
     logged = False
+    compactor = Compactor(cfg.compact_after_s)
     while True:
         time.sleep(JANITOR_INTERVAL_S)
         now = time.time()
@@ -140,6 +146,13 @@ def _janitor(server, cfg: ExporterConfig, ranks: RankCollector, scrape_lock: thr
             if cfg.exit_when_idle_s and _any_rank_alive(ranks):
                 last_alive = now
             _remove_expired_runs(cfg, ranks, scrape_lock, now)
+            for run_dir, done in compactor.compact_runs(ranks.run_dirs(), scrape_lock, now).items():
+                if done.aborted:
+                    log.info("compaction of %s dropped: %s", run_dir, done.aborted)
+                else:
+                    log.info("compacted %s: %d dead processes, %d files folded into %d, %d registrations removed",
+                             run_dir, done.processes, done.files_removed, done.files_written,
+                             done.registrations_removed)
         except Exception:   # one unreadable run must not stop the clean-up and the idle exit for good
             if not logged:
                 log.exception("clean-up failed (retried every %.0f s, logged once)", JANITOR_INTERVAL_S)

@@ -37,6 +37,9 @@ class ExporterConfig:
     """Peers waiting in a collective this long make a rank outside any collective a hang suspect."""
     retention_s: float = setting(default=900.0, option="--retention")
     """A run whose ranks are all gone is served this long, then its files are removed."""
+    compact_after_s: float = setting(default=30.0, option="--compact-after")
+    """Fold a dead rank process's files into its launch's compacted files once it has been dead this long
+    (rankscope.exporter.compaction)."""
     exit_when_idle_s: float = setting(default=0.0, option="--exit-when-idle")
     """Exit after no rank has been alive for this long (0: never; for auto-started exporters)."""
     nvml: bool = setting(default=True, option="--no-nvml")
@@ -49,6 +52,8 @@ class ExporterConfig:
         for name in ("stuck_after_s", "frozen_after_s", "suspect_after_s", "retention_s"):
             if not getattr(self, name) > 0:
                 raise ExporterConfigError(f"must be > 0, got {getattr(self, name)!r}", field=name)
+        if not self.compact_after_s >= 0:
+            raise ExporterConfigError(f"must be >= 0, got {self.compact_after_s!r}", field="compact_after_s")
         if not self.exit_when_idle_s >= 0:
             raise ExporterConfigError(f"must be >= 0, got {self.exit_when_idle_s!r}", field="exit_when_idle_s")
         if self.directory.exists() and not self.directory.is_dir():

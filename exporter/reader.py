@@ -71,8 +71,8 @@ class _Unsupported(Exception):
 class DbFile:
     """One multiprocess file as last read: its parsed entries and latest values."""
 
-    __slots__ = ("path", "typ", "mode", "pid", "ident", "data", "keys", "parsed", "struct", "values", "stamps",
-                 "version", "_intern")
+    __slots__ = ("path", "typ", "mode", "pid", "ident", "data", "end", "keys", "parsed", "struct", "values",
+                 "stamps", "version", "_intern")
 
     _versions = 0
 
@@ -87,7 +87,8 @@ class DbFile:
         self.mode = parts[1] if self.typ == "gauge" and len(parts) > 1 else ""
         self.pid = parts[2][:-3] if self.typ == "gauge" and len(parts) > 2 else ""
         self.ident: tuple = ()
-        self.data = b""
+        self.data = b""       # the bytes up to the used end, as last read
+        self.end = 0          # where the parsed entries end
         self.keys = 0          # hash of the tuple of every entry's key bytes
         self.parsed: list[tuple] = []
         self.struct: struct.Struct | None = None
@@ -119,7 +120,7 @@ class DbFile:
         ident = (st.st_dev, st.st_ino)
         if ident == self.ident and data == self.data:
             return True                                    # nothing changed: nothing to unpack
-        old = len(self.data)
+        old = self.end
         if ident == self.ident and len(data) >= old and self.struct is not None:
             t = self.struct.unpack_from(data, 8)
             if hash(t[0::3]) == self.keys:                 # the same entries, maybe more after them
@@ -129,7 +130,7 @@ class DbFile:
                 self._parse(data, old)
                 return True
         self.ident = ident
-        self.parsed, self.keys = [], 0
+        self.parsed, self.keys, self.struct = [], 0, None
         self._parse(data, 8)
         return True
 
@@ -159,7 +160,7 @@ class DbFile:
         self.struct = struct.Struct("=" + "".join(fmt))
         t = self.struct.unpack_from(data, 8)
         self.keys, self.values, self.stamps = hash(t[0::3]), t[1::3], t[2::3]
-        self.data = data
+        self.data, self.end = data, used
         DbFile._versions += 1
         self.version = DbFile._versions
 
