@@ -233,6 +233,63 @@ def test_mlflow_backend_to_a_dead_server_counts_drops(tmp_path):
     assert any("mlflow" in r for r in drops.reasons)
 
 
+FULL_DISK = r"""
+import resource, signal, sys, time
+from pathlib import Path
+from rankscope import sinks
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)     # a write past the limit fails with EFBIG instead
+drops = []
+w = sinks._Writer(sinks.TensorBoardBackend(Path(sys.argv[1]), "full"), lambda what, reason="", n=1: drops.append(n))
+w.thread.start()
+
+def offer(first, n):
+    worst = 0.0
+    for i in range(first, first + n):
+        rec = sinks.Record(i, {f"rankscope/t{j}": float(i) for j in range(20)}, [], time.time())
+        t0 = time.perf_counter()
+        w.offer(rec)
+        worst = max(worst, time.perf_counter() - t0)
+        time.sleep(0.005)
+    return worst
+
+offer(0, 5)
+while w.queue.qsize() or not list(Path(sys.argv[1]).glob("full/events.out.tfevents.*")):
+    time.sleep(0.05)
+time.sleep(0.5)
+before = sum(drops)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1, resource.RLIM_INFINITY))   # the disk is full: no file grows
+worst = offer(5, 100)
+time.sleep(1.0)
+full = sum(drops) - before
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))   # space again
+offer(105, 10)
+w.closing.set()
+w.thread.join(10)
+print("RESULT", before, full, sum(drops) - before - full, int(w.thread.is_alive()), round(worst * 1e6))
+"""
+
+
+def test_a_full_disk_drops_tensorboard_records_and_the_sink_recovers(tmp_path):
+    """A subprocess whose file-size limit stands in for a full disk: TensorBoard's writer fails
+    (its own writer thread dies, and prints its traceback once per event file), each record is
+    counted as dropped, offering never blocks, and once there is space again a new event file
+    in the same run takes the records."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[1])
+    result = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
+    assert result, out.stdout + out.stderr[-3000:]
+    before, full, after, alive, worst_us = map(int, result[0].split()[1:])
+    print(f"drops: {before} before, {full} of 100 records while full, {after} after; worst offer {worst_us} us")
+    assert before == 0 and after == 0 and alive == 0
+    assert full >= 99, full        # every record while full (one may be in the writer's hands at the switch)
+    acc = EventAccumulator(str(tmp_path / "full"), size_guidance={"scalars": 0})
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars(T + "t0")]
+    assert set(range(105, 115)) <= set(steps), steps
+
+
 # -- real jobs -------------------------------------------------------------------------------
 def _tb_scalars(log_dir: Path) -> dict[str, list]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

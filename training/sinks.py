@@ -419,6 +419,7 @@ class Summarizer:
 # -- writing ---------------------------------------------------------------------------------
 class Backend:
     name = "backend"
+    reopen_after_error = False
 
     def open(self) -> None:
         raise NotImplementedError
@@ -430,11 +431,15 @@ class Backend:
         """Finish; returns the records found lost on the way (counted as drops)."""
         return 0
 
+    def reset(self) -> None:
+        """After a failed write: let the next record open the backend afresh."""
+
 
 class TensorBoardBackend(Backend):
     """One event-file directory, ``<tensorboard_dir>/<run slug>``; ``add_scalar`` per tag."""
 
     name = "tensorboard"
+    reopen_after_error = True
 
     def __init__(self, directory: Path, run: str):
         from rankscope.contract.rundir import run_slug
@@ -460,6 +465,16 @@ class TensorBoardBackend(Backend):
         if self.writer is not None:
             self.writer.close()
         return 0
+
+    def reset(self) -> None:
+        # TensorBoard's own writer thread dies on a write error (a full disk) and refuses every
+        # later event: drop it, and let the next record start a new event file in the same run.
+        writer, self.writer = self.writer, None
+        try:
+            if writer is not None:
+                writer.close()
+        except Exception:   # noqa: BLE001 - the same full disk
+            pass
 
 
 def _done(ops: Any) -> bool:
@@ -584,6 +599,9 @@ class _Writer:
                 self.backend.write(record)
             except Exception as e:   # noqa: BLE001 - a dead server, a full disk: the record is lost
                 self.drop("sink", f"{self.backend.name}: {type(e).__name__}: {str(e)[:200]}")
+                if self.opened and self.backend.reopen_after_error:
+                    self.backend.reset()
+                    self.opened = False
             failed = getattr(self.backend, "take_failed", lambda: 0)()
             if failed:
                 self.drop("sink", f"{self.backend.name}: an asynchronous batch failed", n=failed)
