@@ -79,10 +79,11 @@ ATTR_BUCKET = "rankscope.collective.bucket"
 ROOT_SPAN = "train_step"
 
 
-# Spans per OTLP export. The SDK's default is 512, but serialising 512 spans takes ~5 ms of
-# Python on the batch processor's thread, holding the GIL the training thread may want
-# back; 64 take ~0.6 ms (docs/performance.md, "GIL holds").
-DEFAULT_BSP_EXPORT_BATCH = 64
+DEFAULT_BSP_EXPORT_BATCH = 512   # the SDK's default batch...
+# ...sent EXPORT_CHUNK spans per request: encoding one span to protobuf takes ~35 us of Python
+# on the batch processor's thread, holding the GIL the training thread may want back (64
+# spans: ~2.2 ms, 8: ~0.4 ms); each request's network wait releases it (docs/performance.md, "GIL holds").
+EXPORT_CHUNK = 8
 
 class Tracing:
     """Tracing turned off: no spans, no threads, nothing held."""
@@ -467,12 +468,17 @@ class CountingExporter:
         if self.collector_down():
             self.failed += n
             return SpanExportResult.FAILURE
-        self.hold.start()
-        try:
-            result = self.inner.export(spans)
-        except Exception:
-            result = SpanExportResult.FAILURE
-        self.hold.stop()
+        result = SpanExportResult.SUCCESS
+        for at in range(0, n, EXPORT_CHUNK):
+            # Encoding runs Python on this thread (the GIL held); the request itself lets it go.
+            self.hold.start()
+            try:
+                result = self.inner.export(spans[at:at + EXPORT_CHUNK])
+            except Exception:
+                result = SpanExportResult.FAILURE
+            self.hold.stop()
+            if result is not SpanExportResult.SUCCESS:
+                break   # the batch failed as a whole: its spans are all counted below
         self.last_ok = result is SpanExportResult.SUCCESS
         if self.last_ok:
             self.succeeded += n
