@@ -196,6 +196,14 @@ class Monitor:
         with self._block("evaluation"):
             yield
 
+    def checkpoint_took(self, t0: float, t1: float, kind: str = "save") -> None:
+        """A checkpoint ``save`` or ``restore`` ran from ``t0`` to ``t1`` (``time.perf_counter()``):
+        what ``with monitor.checkpoint(kind)`` records, for code that only learns of it afterwards
+        (framework callbacks)."""
+        if kind not in ("save", "restore"):
+            raise ValueError(f"monitor.checkpoint_took(kind={kind!r}): kind is 'save' or 'restore'")
+        self.accounting.interval_ended("checkpoint_" + kind, t0, t1)
+
     @contextmanager
     def _block(self, category: str) -> Iterator[None]:
         timer = self.steps
@@ -267,6 +275,7 @@ class Monitor:
                 # A step begun by a framework callback (step.begin()) that an exception cut
                 # short: end it with that exception, so an out-of-memory error is counted.
                 self.steps.step.end(_exception_in_flight())
+            self.steps.settle()
             self.publisher.flush(timeout_s=2.0)   # the last steps' traces are built here, before the tracer stops
             self.tracing.shutdown(timeout_s=2.0)
             if self.process_groups is not None:

@@ -183,14 +183,21 @@ class StepTimer:
         self._pending_log: list[tuple[str, float, float]] = []
         self.fetch_started = 0.0             # perf_counter when the batch being fetched now was asked for
         self.block_started = 0.0             # perf_counter when the open checkpoint or evaluation block began
+        # Framework-driven loops (rankscope.integrations): the time since the framework's last
+        # event, which the next event tells apart (a data wait, a save, its own work).
+        self.settling_since = 0.0
 
     def busy_since(self) -> float:
         """Since when (perf_counter) the loop is inside a step, a batch fetch or a block; 0 if it is not.
         Read by the publisher thread: time before this point is settled, time after it is not."""
         s = self.step
         candidates = [t for t in (s.t0 if s.open else 0.0, self._pending_start, self.fetch_started,
-                                  self.block_started) if t]
+                                  self.block_started, self.settling_since) if t]
         return min(candidates) if candidates else 0.0
+
+    def settle(self) -> None:
+        """The loop is over (the monitor closes): nothing is under way any more."""
+        self.fetch_started = self.block_started = self.settling_since = 0.0
 
     def arm(self, samples: int, tokens: int, number: int | None) -> Step:
         s = self.step

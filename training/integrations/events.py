@@ -60,7 +60,9 @@ class EventSteps:
             self.idle_since = time.perf_counter()
             if self.saving_since:
                 self.saves.observe(self.idle_since - self.saving_since)
+                self.monitor.checkpoint_took(self.saving_since, self.idle_since)
                 self.saving_since = 0.0
+            self.monitor.steps.settling_since = self.idle_since   # until the next event says what follows
 
     def begin(self, number: int | None = None) -> None:
         """Start a step; the time since the framework's last own work is its data wait."""
@@ -74,6 +76,7 @@ class EventSteps:
             self.between_steps()
         now = time.perf_counter()
         self.monitor.waited_for_data(self.idle_since, now)
+        self.monitor.steps.settling_since = 0.0
         self.loss = self.grad_norm = self.lr = None
         self.step = self.monitor.step(step=number).begin()
 
@@ -113,11 +116,14 @@ class EventSteps:
             self.loss = self.grad_norm = self.lr = None
             step.end(exc)
             self.idle_since = time.perf_counter()
+            self.monitor.steps.settling_since = self.idle_since   # until the next event says what follows
 
     def checkpoint_saved(self, started: float) -> None:
         """The framework has just finished a checkpoint save that began at ``started`` (perf_counter)."""
         if self.step is None:
-            self.saves.observe(time.perf_counter() - started)
+            now = time.perf_counter()
+            self.saves.observe(now - started)
+            self.monitor.checkpoint_took(started, now)
             self.between_steps()
 
     def checkpoint_saving(self) -> None:
