@@ -94,11 +94,10 @@ def test_categories_of_a_monitored_loop_add_up_to_its_wall_time(tmp_path, monkey
     wall = reg.finished_at - started
     s = wall_seconds(m.run_dir)["0"]
     assert sum(s.values()) == pytest.approx(wall, abs=0.05)
-    assert s["checkpoint_restore"] == pytest.approx(0.1, abs=0.02)
-    assert s["checkpoint_save"] == pytest.approx(0.1, abs=0.02)
-    assert s["evaluation"] == pytest.approx(0.1, abs=0.02)
-    assert s["data_wait"] == pytest.approx(0.5, abs=0.05)
-    assert s["productive"] == pytest.approx(0.2, abs=0.05)
+    # Sleeps take at least what they ask; a loaded machine adds to them, never takes away.
+    for category, slept in (("checkpoint_restore", 0.1), ("checkpoint_save", 0.1), ("evaluation", 0.1),
+                            ("data_wait", 0.5), ("productive", 0.2)):
+        assert slept <= s[category] < slept * 1.5 + 0.05, (category, s)
     assert s["lost_progress"] == 0 and s["startup"] > 0
 
 

@@ -11,8 +11,10 @@ from rankscope.contract import catalog as rank_catalog
 from rankscope.exporter.catalog import BY_NAME as EXPORTER_METRICS
 from tests.scale.simulator import RANKS_PER_NODE, Layout, NodePage, load_recorded
 
-SERIES_PER_RANK = 115   # docs/scaling.md, "Series budget"
-SERIES_PER_NODE = 1116
+# The recorded CPU rank's series, plus what a GPU rank adds (device memory x3, peak FLOP/s) and
+# the goodput, data-wait and model-FLOPs series added to the catalog after the recording.
+SERIES_PER_RANK = 141
+SERIES_PER_NODE = 1324
 START = 1_000_000.0
 
 

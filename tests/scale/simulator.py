@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from rankscope.contract import catalog as rank_catalog
 from rankscope.exporter.catalog import BY_NAME, THROTTLE_REASONS
 
 RECORDED = Path(__file__).with_name("recorded_page.prom")
@@ -128,12 +129,31 @@ def load_recorded(path: Path = RECORDED) -> tuple[list[tuple[str, dict, str]], l
                 rank_samples.append((name, labels, value))
         else:
             node_samples.append((name, labels, value))
-    # Device memory gauges exist only on CUDA ranks; the recording is a CPU run.
+    # Device memory gauges and the device's peak FLOP/s exist only on CUDA ranks; the recording
+    # is a CPU run.
     ident = {k: rank_samples[0][1][k] for k in ("local_rank", "node", "rank", "run")}
     for name in ("rankscope_device_memory_allocated_bytes", "rankscope_device_memory_reserved_bytes",
-                 "rankscope_device_memory_peak_allocated_bytes"):
+                 "rankscope_device_memory_peak_allocated_bytes", "rankscope_device_peak_flops"):
         rank_samples.append((name, dict(ident), "0"))
+    # Series added to the catalog after the recording (goodput, data wait, model FLOPs), with the
+    # label sets the rank writes them with.
+    recorded = {n for n, _, _ in rank_samples}
+    if "rankscope_wall_seconds_total" not in recorded:
+        for category in rank_catalog.GOODPUT_CATEGORIES:
+            rank_samples.append(("rankscope_wall_seconds_total", {**ident, "category": category}, "0"))
+    if "rankscope_data_wait_seconds_count" not in recorded:
+        for le in (*rank_catalog.DATA_WAIT_BUCKETS, "+Inf"):
+            rank_samples.append(("rankscope_data_wait_seconds_bucket", {**ident, "le": _le(le)}, "0"))
+        rank_samples.append(("rankscope_data_wait_seconds_sum", dict(ident), "0"))
+        rank_samples.append(("rankscope_data_wait_seconds_count", dict(ident), "0"))
+    if "rankscope_model_flops_total" not in recorded:
+        rank_samples.append(("rankscope_model_flops_total", dict(ident), "0"))
     return rank_samples, node_samples
+
+
+def _le(bound) -> str:
+    """A bucket bound as prometheus_client writes it (0.5 -> "0.5", 1 -> "1.0")."""
+    return bound if isinstance(bound, str) else repr(float(bound))
 
 
 def _value_key(name: str, labels: dict[str, str]) -> str | None:
@@ -144,6 +164,8 @@ def _value_key(name: str, labels: dict[str, str]) -> str | None:
         return f"state_{labels['state']}"
     if name == "rankscope_nonfinite_total":
         return f"nonfinite_{labels['what']}"
+    if name == "rankscope_wall_seconds_total":
+        return f"wall_{labels['category']}"
     if name.endswith("_bucket"):
         base = name[: -len("_bucket")]
         return f"{base}@{labels['le']}"
@@ -165,7 +187,8 @@ def _value_key(name: str, labels: dict[str, str]) -> str | None:
         "rankscope_rank_start_timestamp_seconds", "rankscope_process_group_last_enqueued_seq",
         "rankscope_process_group_last_completed_seq", "rankscope_device_memory_total_bytes",
         "rankscope_device_memory_allocated_bytes", "rankscope_device_memory_reserved_bytes",
-        "rankscope_device_memory_peak_allocated_bytes",
+        "rankscope_device_memory_peak_allocated_bytes", "rankscope_device_peak_flops", "rankscope_model_flops_total",
+        "rankscope_data_wait_seconds_sum", "rankscope_data_wait_seconds_count",
     }
     return name if name in simulated else None
 
@@ -227,6 +250,8 @@ class NodePage:
         self.template = "".join(parts)
         self.bucket_bounds = sorted({k.split("@", 1)[1] for _, k, _ in self.keys
                                      if k and "@" in k and k.split("@", 1)[0].endswith("_seconds")})
+        self.data_wait_bounds = sorted({k.split("@", 1)[1] for _, k, _ in self.keys
+                                        if k and k.startswith("rankscope_data_wait_seconds@")})
 
     def rank_values(self, lr: int, now: float) -> dict[str, float]:
         """The quantities one rank shows at ``now``."""
@@ -282,6 +307,18 @@ class NodePage:
             "nonfinite_loss": 1.0 if role == "nan" and faulted else 0.0, "nonfinite_grad": 0.0,
         })
         v["rankscope_loss_ema"] = v["rankscope_loss"]
+        # Goodput: the step's compute is productive, its data wait is data_wait, the rest of the
+        # wall time since the run started is start-up (20 s) and idle (the hung rank's wait).
+        wall = {c: 0.0 for c in rank_catalog.GOODPUT_CATEGORIES}
+        wall["startup"] = 20.0
+        wall["data_wait"] = steps * phase["data"]
+        wall["productive"] = steps * (step_s - phase["data"])
+        wall["idle"] = max(0.0, elapsed - wall["data_wait"] - wall["productive"])
+        v.update({f"wall_{c}": s for c, s in wall.items()})
+        v["rankscope_data_wait_seconds_sum"] = steps * phase["data"]
+        v["rankscope_data_wait_seconds_count"] = steps
+        v["rankscope_model_flops_total"] = steps * 32.0 * 4096 * 6 * 1.3e9   # a 1.3 B-parameter model, 6N per token
+        v["rankscope_device_peak_flops"] = 989.4e12                          # H100 SXM, dense bf16
         if role == "nan" and faulted:
             v["rankscope_loss"] = float("nan")
         for op, per_step in (("all_reduce", ALL_REDUCES_PER_STEP), ("broadcast", 0), ("all_gather", 0), ("barrier", 0)):
@@ -294,6 +331,9 @@ class NodePage:
             v[f"rankscope_step_duration_seconds@{le}"] = steps * frac
             cfrac = 1.0 if bound >= phase["comm_wait"] else 0.0
             v[f"rankscope_collective_duration_seconds@{le}"] = steps * ALL_REDUCES_PER_STEP * cfrac
+        for le in self.data_wait_bounds:
+            bound = math.inf if le == "+Inf" else float(le)
+            v[f"rankscope_data_wait_seconds@{le}"] = steps if bound >= phase["data"] else 0.0
         state = "progressing"
         if hung_run:
             waited = now - hang_at
