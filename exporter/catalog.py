@@ -7,6 +7,7 @@ modules are the whole metric-name contract.
 
 from __future__ import annotations
 
+from rankscope.contract.catalog import BY_NAME as RANK_BY_NAME
 from rankscope.contract.catalog import MetricSpec
 
 # Rank states, one-hot in rankscope_rank_state (docs/design.md, "Rank states").
@@ -45,6 +46,27 @@ def _node(name: str, kind: str, help: str, labels: tuple[str, ...] = ()) -> Metr
     return MetricSpec(name, kind, help, labels, identity=False)  # type: ignore[arg-type]
 
 
+NODE_HISTOGRAM_PREFIX = "rankscope_node_"
+
+
+def node_histogram_name(name: str) -> str:
+    """The node-level histogram of a rank histogram (--rank-histograms node-buckets):
+    ``rankscope_step_duration_seconds`` -> ``rankscope_node_step_duration_seconds``."""
+    return NODE_HISTOGRAM_PREFIX + name.removeprefix("rankscope_")
+
+
+def node_histogram_help(documentation: str) -> str:
+    return f"{documentation} Summed over the node's ranks of a run (--rank-histograms node-buckets)."
+
+
+def _node_histogram(rank_name: str) -> MetricSpec:
+    """The rank histogram's buckets, _count and _sum added up over the node's ranks of a run: its labels
+    without rank and local_rank (rankscope.exporter.cardinality)."""
+    spec = RANK_BY_NAME[rank_name]
+    return MetricSpec(node_histogram_name(rank_name), "histogram", node_histogram_help(spec.help),
+                      ("run", "node") + spec.labels, identity=False, buckets=spec.buckets)
+
+
 EXPORTER_METRICS: tuple[MetricSpec, ...] = (
     # per rank, derived from the rank's files and its process
     _rank("rankscope_rank_up", "gauge", "1 if the rank's process is alive, 0 if it is gone."),
@@ -58,6 +80,11 @@ EXPORTER_METRICS: tuple[MetricSpec, ...] = (
           "1 for a rank whose monitor ended on an exception, labelled with the exception's type.", ("exception",)),
     _rank("rankscope_collective_in_flight_seconds", "gauge",
           "Seconds the collective now in flight has been running; 0 when none is.", ("op",)),
+    # per node and run, only with --rank-histograms node-buckets
+    _node_histogram("rankscope_step_duration_seconds"),
+    _node_histogram("rankscope_data_wait_seconds"),
+    _node_histogram("rankscope_collective_duration_seconds"),
+    _node_histogram("rankscope_process_group_collective_duration_seconds"),
     # per GPU, from NVML
     _node("rankscope_gpu_info", "gauge", "Identity of a GPU (value 1).", GPU_LABELS + ("name", "driver_version")),
     _node("rankscope_gpu_utilization_ratio", "gauge", "Fraction of time a kernel was running on the GPU.", GPU_LABELS),

@@ -21,7 +21,7 @@ from rankscope.contract.environment import ConfigError
 from rankscope.contract.rundir import load_registrations
 from rankscope.exporter.collector import NodeCollector
 from rankscope.exporter.compaction import Compactor
-from rankscope.exporter.config import ExporterConfig, ExporterConfigError
+from rankscope.exporter.config import RANK_HISTOGRAM_MODES, ExporterConfig, ExporterConfigError
 from rankscope.exporter.ranks import RankCollector
 from rankscope.exporter.server import make_app, serve
 from rankscope.exporter.webconfig import load_web_config
@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{default('compact_after_s')}")
     p.add_argument("--exit-when-idle", type=float, help="exit after no rank has been alive for this many seconds, "
                    f"0: never {default('exit_when_idle_s')}")
+    p.add_argument("--rank-histograms", metavar="{" + ",".join(RANK_HISTOGRAM_MODES) + "}",
+                   help="per-rank histograms: full (every bucket), sum-count (_sum and _count only: ~35%% fewer "
+                   "series per rank), node-buckets (sum-count plus buckets summed per node and run, as "
+                   f"rankscope_node_*); docs/scaling.md {default('rank_histograms')}")
     p.add_argument("--no-nvml", action="store_true", help="do not read GPUs through NVML")
     p.add_argument("--web-config", type=Path, help="exporter-toolkit web configuration file (TLS, basic auth)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -72,7 +76,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         env, directory=args.dir, addr=args.addr, port=args.port, node=args.node,
         stuck_after_s=args.stuck_after, frozen_after_s=args.frozen_after, suspect_after_s=args.suspect_after,
         retention_s=args.retention, compact_after_s=args.compact_after, exit_when_idle_s=args.exit_when_idle,
-        nvml=False if args.no_nvml else None, web_config=args.web_config)
+        rank_histograms=args.rank_histograms, nvml=False if args.no_nvml else None, web_config=args.web_config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,10 @@ from rankscope.contract.environment import DEFAULT_ADDR, DEFAULT_PORT, ConfigErr
 from rankscope.contract.rundir import default_metrics_dir
 
 
+# How per-rank histograms are served (rankscope.exporter.cardinality; docs/scaling.md, "Cardinality controls").
+RANK_HISTOGRAM_MODES: tuple[str, ...] = ("full", "sum-count", "node-buckets")
+
+
 class ExporterConfigError(ConfigError):
     """A bad option; the message names it. The CLI prints it and exits 2."""
 
@@ -42,6 +46,9 @@ class ExporterConfig:
     (rankscope.exporter.compaction)."""
     exit_when_idle_s: float = setting(default=0.0, option="--exit-when-idle")
     """Exit after no rank has been alive for this long (0: never; for auto-started exporters)."""
+    rank_histograms: str = setting(default="full", env="RANKSCOPE_RANK_HISTOGRAMS", option="--rank-histograms")
+    """full: every bucket of every rank; sum-count: each per-rank histogram as its _sum and _count only;
+    node-buckets: sum-count plus the buckets summed over the node's ranks (rankscope_node_*)."""
     nvml: bool = setting(default=True, option="--no-nvml")
     web_config: Path | None = setting(default=None, option="--web-config")
     """exporter-toolkit web configuration file (TLS, basic auth)."""
@@ -56,6 +63,9 @@ class ExporterConfig:
             raise ExporterConfigError(f"must be >= 0, got {self.compact_after_s!r}", field="compact_after_s")
         if not self.exit_when_idle_s >= 0:
             raise ExporterConfigError(f"must be >= 0, got {self.exit_when_idle_s!r}", field="exit_when_idle_s")
+        if self.rank_histograms not in RANK_HISTOGRAM_MODES:
+            raise ExporterConfigError(f"must be one of {', '.join(RANK_HISTOGRAM_MODES)}, got {self.rank_histograms!r}",
+                                      field="rank_histograms")
         if self.directory.exists() and not self.directory.is_dir():
             raise ExporterConfigError(f"{self.directory} exists and is not a directory", field="directory")
 

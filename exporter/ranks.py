@@ -25,6 +25,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from rankscope.exporter.catalog import BY_NAME as EXPORTER_SPECS
 from rankscope.exporter.catalog import RANK_STATES
+from rankscope.exporter.cardinality import reduce_histograms
 from rankscope.exporter.config import ExporterConfig
 from rankscope.exporter.reader import MergedFamily, Reader
 from rankscope.contract.catalog import COLLECTIVE_OPS, EAGER_COLLECTIVE_OPS, IDENTITY_LABELS
@@ -97,7 +98,7 @@ class RankCollector:
             self.reader.forget_except(run_dirs)
         for run_dir in run_dirs:
             views, merged = self._collect_run(run_dir, now)
-            yield from merged
+            yield from reduce_histograms(merged, self.cfg.rank_histograms)
             for v in views:
                 counts[v.state] += 1
                 _add_view(families, v, now)
