@@ -36,6 +36,7 @@ FAST_FILES = frozenset({
     "test_flops.py",
     "test_integrations_api.py",
     "test_deploy.py",
+    "test_exporter_cardinality.py",
     "test_exporter_compaction.py",
     "test_exporter_reader.py",
     "test_monitor_api.py",
