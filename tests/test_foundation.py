@@ -87,6 +87,9 @@ def test_live_metrics_of_a_two_rank_job(comm_timing):
             assert info[0].labels["process_id"] == str(job.rank_pids()[int(r)])
             assert (value(second, "rankscope_heartbeat_timestamp_seconds", rank=r) or 0) > time.time() - 5
             assert value(second, "rankscope_host_memory_rss_bytes", rank=r) > 50e6
+            # The trainer gives its FLOPs per sample, but a CPU has no peak: FLOPs counted, no MFU.
+            assert value(second, "rankscope_model_flops_total", rank=r) > 0
+            assert not select(second, "rankscope_device_peak_flops", rank=r)
         assert job.wait(timeout=180) == 0, job.log()[-2000:]
         final = job.wait_for(lambda s: all(value(s, "rankscope_rank_state", rank=r, state="finished") == 1
                                            for r in RANKS) and s, timeout=15, what="ranks finished")

@@ -20,13 +20,17 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELA
                "TORCHELASTIC_RUN_ID")
 
 
+def samples(run_dir: Path) -> list:
+    return [s for family in MultiProcessCollector.merge([str(p) for p in run_dir.glob("*.db")], accumulate=True)
+            for s in family.samples]
+
+
 def wall_seconds(run_dir: Path) -> dict[str, dict[str, float]]:
     """rank -> category -> seconds, summed over every process of the rank, from the files."""
     out: dict[str, dict[str, float]] = {}
-    for family in MultiProcessCollector.merge([str(p) for p in run_dir.glob("*.db")], accumulate=True):
-        for s in family.samples:
-            if s.name == "rankscope_wall_seconds_total":
-                out.setdefault(s.labels["rank"], {})[s.labels["category"]] = s.value
+    for s in samples(run_dir):
+        if s.name == "rankscope_wall_seconds_total":
+            out.setdefault(s.labels["rank"], {})[s.labels["category"]] = s.value
     return out
 
 
@@ -99,6 +103,12 @@ def test_categories_of_a_monitored_loop_add_up_to_its_wall_time(tmp_path, monkey
                             ("data_wait", 0.5), ("productive", 0.2)):
         assert slept <= s[category] < slept * 1.5 + 0.05, (category, s)
     assert s["lost_progress"] == 0 and s["startup"] > 0
+    # Each batch's wait is in the data-wait histogram (10 batches of >= 50 ms).
+    waits = {x.labels.get("le"): x.value for x in samples(m.run_dir) if x.name.startswith("rankscope_data_wait_seconds")}
+    assert waits["0.025"] == 0 and waits["+Inf"] == 10
+    # No FLOPs figure was given and there is no GPU: no MFU series at all, not a 0.
+    names = {x.name for x in samples(m.run_dir)}
+    assert "rankscope_model_flops_total" not in names and "rankscope_device_peak_flops" not in names
 
 
 # -- a real job: checkpoints, a crash, a relaunch from the checkpoint --------------------
