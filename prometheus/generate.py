@@ -25,7 +25,7 @@ import yaml
 if __package__ in (None, ""):  # run as a script: make `prometheus.rules_spec` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prometheus.rules_spec import ALERTS, RECORDING_RULES  # noqa: E402
+from prometheus.rules_spec import ALERTS, RULE_GROUPS, Alert, check_groups, group_rules  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 THRESHOLDS = HERE / "thresholds.yaml"
@@ -91,8 +91,14 @@ def substitute(text: str, config: dict) -> str:
 
 
 def render(config: dict) -> dict[str, dict[str, Any]]:
-    """The two rule files as YAML-ready dicts, keyed by file name."""
-    group_extra = {"interval": config["rule_interval"]} if config.get("rule_interval") else {}
+    """The two rule files as YAML-ready dicts, keyed by file name.
+
+    The groups are rules_spec.RULE_GROUPS, in that order: those with an alert go to
+    alerts.yml, the record-only ones to recording.yml. A group evaluates every
+    ``rule_interval`` (null: Prometheus's global interval), a slow one every
+    ``slow_rule_interval``.
+    """
+    check_groups()
     names = {a.alert for a in ALERTS}
     missing = names - set(config["for"])
     if missing:
@@ -101,6 +107,7 @@ def render(config: dict) -> dict[str, dict[str, Any]]:
     unknown = (set(config["for"]) | set(keep)) - names
     if unknown:
         raise KeyError(f"thresholds.yaml names alerts that do not exist: {sorted(unknown)}")
+    base_url = config["runbook_base_url"]
 
     def record(r) -> dict:
         rule = {"record": r.record, "expr": substitute(r.expr, config)}
@@ -110,14 +117,8 @@ def render(config: dict) -> dict[str, dict[str, Any]]:
         value = keep.get(name)
         return {"keep_firing_for": value} if value and duration_seconds(value) > 0 else {}
 
-    recording = {"groups": [{
-        "name": "rankscope.recording", **group_extra,
-        "rules": [record(r) for r in RECORDING_RULES],
-    }]}
-    base_url = config["runbook_base_url"]
-    alerts = {"groups": [{
-        "name": "rankscope.alerts", **group_extra,
-        "rules": [{
+    def alert(a) -> dict:
+        return {
             "alert": a.alert,
             "expr": substitute(a.expr, config),
             "for": config["for"][a.alert],
@@ -128,9 +129,17 @@ def render(config: dict) -> dict[str, dict[str, Any]]:
                 "description": substitute(a.description, config),
                 "runbook_url": f"{base_url}#{a.alert.lower()}",
             },
-        } for a in ALERTS],
-    }]}
-    return {RECORDING_FILE: recording, ALERTS_FILE: alerts}
+        }
+
+    files: dict[str, dict[str, Any]] = {RECORDING_FILE: {"groups": []}, ALERTS_FILE: {"groups": []}}
+    for group in RULE_GROUPS:
+        rules = group_rules(group)
+        interval = config["slow_rule_interval"] if group.slow else config.get("rule_interval")
+        files[ALERTS_FILE if any(isinstance(r, Alert) for r in rules) else RECORDING_FILE]["groups"].append({
+            "name": group.name, **({"interval": interval} if interval else {}),
+            "rules": [alert(r) if isinstance(r, Alert) else record(r) for r in rules],
+        })
+    return files
 
 
 class _Dumper(yaml.SafeDumper):

@@ -44,15 +44,28 @@ def new_events(metric: str, window: str, at_least: str = "1") -> str:
             f"or ({metric} >= {at_least} unless {metric} offset {window})")
 
 
-def with_rank_of_gpu(expr: str, *, required: bool = False, rank_filter: str = "rankscope_rank_up{SEL} == 1") -> str:
-    """Adds run/rank/local_rank of the rank using a GPU (joined on its UUID via rankscope_rank_info).
+# The rank using each GPU (joined on its UUID via rankscope_rank_info), recorded once
+# per evaluation in the group of the GPU alerts that join it, before them: they see
+# it in the same evaluation. Re-derived inside each alert (label_replace over every
+# rank's info series, a join with the rank filter and a topk per UUID), it was the
+# costliest part of three alerts at 1,024 nodes (docs/scaling.md).
+GPU_RANK_LIVE = "uuid:rankscope_rank_info:live"                # a live rank (rankscope_rank_up 1)
+GPU_RANK_PROGRESSING = "uuid:rankscope_rank_info:progressing"  # a rank that trains (state progressing)
 
-    A GPU no live rank uses keeps its alert unless ``required`` (``or on (uuid)``).
+
+def gpu_rank_map(rank_filter: str) -> str:
+    """One rank_info series per GPU UUID (label ``uuid``), of a rank that passes ``rank_filter``."""
+    return ("topk by (uuid) (1,\n"
+            "  label_replace(rankscope_rank_info{SEL}, \"uuid\", \"$1\", \"gpu_uuid\", \"(.+)\")\n"
+            f"  and on (run, rank) ({rank_filter})\n"
+            ")")
+
+
+def with_rank_of_gpu(expr: str, *, required: bool = False, ranks: str = GPU_RANK_LIVE) -> str:
+    """Adds run/rank/local_rank of the rank using a GPU, from the recorded map ``ranks``.
+
+    A GPU no such rank uses keeps its alert unless ``required`` (``or on (uuid)``).
     """
-    ranks = ("topk by (uuid) (1,\n"
-             "  label_replace(rankscope_rank_info{SEL}, \"uuid\", \"$1\", \"gpu_uuid\", \"(.+)\")\n"
-             f"  and on (run, rank) ({rank_filter})\n"
-             ")")
     joined = f"({expr})\n* on (uuid) group_left (run, rank, local_rank)\n{ranks}"
     return joined if required else f"{joined}\nor on (uuid) ({expr})"
 
@@ -225,10 +238,14 @@ SEQ_BEHIND = (
     "  )\n"
     f"  and on (run, rank, group_id) ({IN_FLIGHT_SECONDS} > <<collective_behind_wait_seconds>>)\n"
     ")")
-COLLECTIVE_BEHIND = (
-    "(\n  " + SEQ_BEHIND.replace("\n", "\n  ") + "\n)\n"
+COLLECTIVE_BEHIND_REST = (
     "and on (run, rank) (rankscope_step_stalled_seconds{SEL} > <<collective_behind_wait_seconds>>)\n"
     "unless on (run, rank) (rankscope_rank_state{SEL,state=\"frozen\"} == 1)")
+COLLECTIVE_BEHIND = "(\n  " + SEQ_BEHIND.replace("\n", "\n  ") + "\n)\n" + COLLECTIVE_BEHIND_REST
+# The same, reading SEQ_BEHIND from its record (rank_group:rankscope_process_group_seq:behind),
+# for the cause record evaluated after it in the same group: the same evaluation's value.
+SEQ_BEHIND_RECORD = "rank_group:rankscope_process_group_seq:behind"
+COLLECTIVE_BEHIND_FROM_RECORD = SEQ_BEHIND_RECORD + "\n" + COLLECTIVE_BEHIND_REST
 
 
 def cause(name: str, alert: str, condition: str) -> Record:
@@ -364,16 +381,19 @@ RECORDING_RULES: tuple[Record, ...] = (
            "max by (run, group, group_id) (rank_group_op:rankscope_process_group_in_flight:seconds)"),
     # Collectives a rank is behind its group's front while a peer of the group
     # has waited past the bar and the rank itself waits in nothing that long.
-    Record("rank_group:rankscope_process_group_seq:behind", SEQ_BEHIND),
+    Record(SEQ_BEHIND_RECORD, SEQ_BEHIND),
     # ---- causes present in a run (1 per cause): their victims are not blamed ---
     cause("rank_down", "RankscopeRankDown", RANK_DOWN),
     cause("node_lost", "RankscopeNodeLost", NODE_LOST),
     cause("hang_suspect", "RankscopeHangSuspect", HANG_SUSPECT),
     cause("frozen", "RankscopeRankFrozen", RANK_FROZEN),
-    cause("collective_behind", "RankscopeCollectiveBehind", COLLECTIVE_BEHIND),
+    cause("collective_behind", "RankscopeCollectiveBehind", COLLECTIVE_BEHIND_FROM_RECORD),
     cause("stalled", "RankscopeRunStalled", STALLED),
     cause("straggler", "RankscopeStraggler", STRAGGLER),
     cause("input_bound", "RankscopeInputBound", INPUT_BOUND),
+    # ---- the rank using each GPU (read by the GPU alerts of the same group) ----
+    Record(GPU_RANK_LIVE, gpu_rank_map("rankscope_rank_up{SEL} == 1")),
+    Record(GPU_RANK_PROGRESSING, gpu_rank_map("rankscope_rank_state{SEL,state=\"progressing\"} == 1")),
 )
 
 
@@ -604,7 +624,7 @@ ALERTS: tuple[Alert, ...] = (
           hysteresis("RankscopeGPUUnderutilized",
                      lambda bar: with_rank_of_gpu(
                          f"avg_over_time(rankscope_gpu_utilization_ratio{{SEL}}[<<gpu_util_window>>]) < {bar}",
-                         required=True, rank_filter="rankscope_rank_state{SEL,state=\"progressing\"} == 1"),
+                         required=True, ranks=GPU_RANK_PROGRESSING),
                      "<<gpu_util_min_ratio>>", "<<gpu_util_hold_ratio>>", on="uuid"),
           "warning",
           "GPU under-utilised in run {{ $labels.run }} (rank {{ $labels.rank }})",
@@ -632,3 +652,151 @@ ALERTS: tuple[Alert, ...] = (
           "The {{ $labels.collector }} collector of the exporter at {{ $labels.instance }} keeps failing; "
           "its metrics are missing or stale (see the exporter's log)."),
 )
+
+
+# ---- rule groups ---------------------------------------------------------------
+# Prometheus evaluates groups concurrently, each on its own timer, and the rules of
+# one group in order: a rule sees the records of earlier rules of its group from the
+# same evaluation, and those of another group as of that group's last evaluation (up
+# to one interval older). So each record sits in the group of the rules that read it
+# where it can, and the groups are split by concern so that no one group carries the
+# whole cost (docs/scaling.md, "One Prometheus 2.42, measured").
+#
+# The record-only groups (recording.yml) come first, then the alert groups
+# (alerts.yml): an alert reads another group's record one evaluation late at most,
+# as it did when all records were one group and all alerts another, and promtool
+# (tests list this order as group_eval_order) evaluates them in this order at each
+# step. The GPU alerts' rank map is the only record in an alert group: only they read it.
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    # Record names (a cause record as run:rankscope_cause:present{<cause>}) and alert names, in order.
+    rules: tuple[str, ...]
+    # Evaluated every slow_rule_interval (thresholds.yaml) instead of rule_interval: only
+    # warnings over long windows with long `for:`, where a minute more latency is noise.
+    slow: bool = False
+
+
+def rule_key(rule: Record | Alert) -> str:
+    if isinstance(rule, Alert):
+        return rule.alert
+    cause_label = dict(rule.labels).get("cause")
+    return f"{rule.record}{{{cause_label}}}" if cause_label else rule.record
+
+
+def _cause(name: str) -> str:
+    return f"run:rankscope_cause:present{{{name}}}"
+
+
+RULE_GROUPS: tuple[Group, ...] = (
+    # Per-rank step and phase records, which the bottleneck alerts read, and the
+    # causes computed from them.
+    Group("rankscope.recording.steps", (
+        "rank:rankscope_step_duration_seconds:mean",
+        "rank_phase:rankscope_phase_seconds:fraction",
+        "rank:rankscope_phase_seconds:compute_per_step",
+        "run:rankscope_phase_seconds:compute_per_step_peer_median",
+        "rank:rankscope_phase_seconds:compute_per_step_peer_ratio",
+        "rank:rankscope_steps:warming_up",
+        "run:rankscope_steps:rate",
+        _cause("straggler"),
+        _cause("input_bound"),
+    )),
+    # Read by dashboards only (and annotations): run-wide summaries.
+    Group("rankscope.recording.summaries", (
+        "run:rankscope_step_duration_seconds:median",
+        "run:rankscope_step_duration_seconds:spread_ratio",
+        "run:rankscope_step_duration_seconds:p90",
+        "run_phase:rankscope_phase_seconds:fraction_avg",
+        "run:rankscope_phase_seconds:compute_per_step_median",
+        "run:rankscope_samples:rate",
+        "run:rankscope_tokens:rate",
+        "rank:rankscope_mfu:ratio",
+        "run:rankscope_mfu:ratio",
+        "rank_op:rankscope_collective_duration_seconds:mean",
+    )),
+    Group("rankscope.recording.goodput_memory", (
+        "rank:rankscope_goodput:ratio",
+        "run:rankscope_goodput:ratio",
+        "run_category:rankscope_wall_seconds:ratio",
+        "rank:rankscope_device_memory:headroom_ratio",
+        "rank:rankscope_host_memory:headroom_ratio",
+    )),
+    # Dead, lost, frozen and stalled ranks: the records and causes of the liveness alerts.
+    Group("rankscope.recording.liveness", (
+        "rank:rankscope_rank_up:lost",
+        "run:rankscope_ranks:torn_down",
+        "run:rankscope_ranks:stopped",
+        _cause("rank_down"),
+        _cause("node_lost"),
+        _cause("frozen"),
+        _cause("stalled"),
+    )),
+    # Hangs: every process group's front and waits, and the hang causes.
+    Group("rankscope.recording.hangs", (
+        "rank_group_op:rankscope_process_group_in_flight:seconds",
+        "group:rankscope_process_group_last_enqueued_seq:max",
+        "group:rankscope_process_group_in_flight:max_seconds",
+        SEQ_BEHIND_RECORD,
+        _cause("hang_suspect"),
+        _cause("collective_behind"),
+    )),
+    # ---- alert groups (alerts.yml) ----
+    Group("rankscope.alerts.liveness", (
+        "RankscopeRankDown",
+        "RankscopeNodeLost",
+        "RankscopeRankFrozen",
+        "RankscopeTargetDown",
+    )),
+    # HangSuspect and CollectiveBehind read the raw series, not the records: they
+    # page one scrape and one evaluation after the crossing.
+    Group("rankscope.alerts.hangs", (
+        "RankscopeHangSuspect",
+        "RankscopeCollectiveBehind",
+        "RankscopeRunStalled",
+    )),
+    Group("rankscope.alerts.events", (
+        "RankscopeNonFiniteLoss",
+        "RankscopeOutOfMemory",
+        "RankscopeLossSpikes",
+        "RankscopeGradNormExplosion",
+        "RankscopeAllocRetriesRising",
+        "RankscopeMemoryHeadroomLow",
+        "RankscopeExporterCollectorFailing",
+    )),
+    Group("rankscope.alerts.bottlenecks", (
+        "RankscopeStraggler",
+        "RankscopeInputBound",
+        "RankscopeCommunicationBound",
+        "RankscopeThroughputDrop",
+        "RankscopeGoodputLow",
+    )),
+    Group("rankscope.alerts.gpu", (
+        GPU_RANK_LIVE,
+        "RankscopeGPUErrors",
+        "RankscopeGPUThrottled",
+    )),
+    # Warnings over windows of 10 m to 1 h with `for:` of 10-15 m, every minute.
+    Group("rankscope.alerts.slow", (
+        GPU_RANK_PROGRESSING,
+        "RankscopeGPUUnderutilized",
+        "RankscopeLossDiverging",
+        "RankscopeMemoryExhaustionPredicted",
+    ), slow=True),
+)
+
+
+def group_rules(group: Group) -> list[Record | Alert]:
+    by_key = {rule_key(r): r for r in (*RECORDING_RULES, *ALERTS)}
+    return [by_key[k] for k in group.rules]
+
+
+def check_groups() -> None:
+    """Every rule in exactly one group; a record read in its own group is evaluated before its readers."""
+    placed = [k for g in RULE_GROUPS for k in g.rules]
+    every = [rule_key(r) for r in (*RECORDING_RULES, *ALERTS)]
+    if sorted(placed) != sorted(every) or len(set(every)) != len(every):
+        raise ValueError(f"rule groups: unplaced {sorted(set(every) - set(placed))}, "
+                         f"unknown or twice {sorted(k for k in placed if placed.count(k) > 1 or k not in every)}")

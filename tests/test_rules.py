@@ -16,7 +16,7 @@ import yaml
 
 from rankscope.exporter.catalog import EXPORTER_METRICS
 from prometheus import generate
-from prometheus.rules_spec import ALERTS, RECORDING_RULES
+from prometheus.rules_spec import ALERTS, RECORDING_RULES, RULE_GROUPS
 from rankscope.contract.catalog import RANK_METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,14 +31,20 @@ def run(*cmd: str) -> subprocess.CompletedProcess:
     return result
 
 
+def rules_of(path: Path) -> list[dict]:
+    return [r for g in yaml.safe_load(path.read_text())["groups"] for r in g["rules"]]
+
+
 def rendered_alerts() -> list[dict]:
-    return yaml.safe_load((PROM / "rules" / "alerts.yml").read_text())["groups"][0]["rules"]
+    return [r for r in rules_of(PROM / "rules" / "alerts.yml") if "alert" in r]
 
 
 def test_promtool_check_rules():
     out = run("promtool", "check", "rules", *map(str, RULE_FILES)).stdout
-    assert f"SUCCESS: {len(RECORDING_RULES)} rules found" in out
-    assert f"SUCCESS: {len(ALERTS)} rules found" in out
+    counts = [len(rules_of(p)) for p in RULE_FILES]
+    assert sum(counts) == len(RECORDING_RULES) + len(ALERTS)
+    for n in counts:
+        assert f"SUCCESS: {n} rules found" in out
 
 
 def test_promtool_check_config():
@@ -56,6 +62,60 @@ def test_fast_variant_is_valid(tmp_path):
     run("promtool", "check", "rules", *map(str, sorted(tmp_path.glob("*.yml"))))
 
 
+def _groups(*paths: Path) -> list[dict]:
+    return [g for p in paths for g in yaml.safe_load(p.read_text())["groups"]]
+
+
+def test_rule_groups_are_rendered_in_order_with_their_intervals(tmp_path):
+    """RULE_GROUPS, in order, record-only groups in recording.yml; only the slow group has its
+    own interval in production (1m); every group evaluates every second in the fast variant."""
+    groups = _groups(*RULE_FILES)
+    assert [g["name"] for g in groups] == [g.name for g in RULE_GROUPS]
+    assert all("alert" not in r for g in _groups(RULE_FILES[0]) for r in g["rules"])
+    assert all(any("alert" in r for r in g["rules"]) for g in _groups(RULE_FILES[1]))
+    assert {g["name"]: g.get("interval") for g in groups if g.get("interval")} == {"rankscope.alerts.slow": "1m"}
+    generate.main(["--override", str(PROM / "fast.yaml"), "--out", str(tmp_path)])
+    fast = _groups(tmp_path / generate.RECORDING_FILE, tmp_path / generate.ALERTS_FILE)
+    assert [g.get("interval") for g in fast] == ["1s"] * len(RULE_GROUPS)
+
+
+def _reads(expr: str, record: str) -> bool:
+    return re.search(rf"(?<![\w:]){re.escape(record)}(?![\w:])", expr) is not None
+
+
+def test_a_record_read_in_its_own_group_is_evaluated_before_its_readers():
+    """Within a group rules run in order: a rule reading a record of its own group must come
+    after it, or it reads the previous evaluation's value."""
+    for group in _groups(*RULE_FILES):
+        defined_later = {r["record"] for r in group["rules"] if "record" in r}
+        for rule in group["rules"]:
+            if "record" in rule:
+                defined_later.discard(rule["record"])
+            early = {rec for rec in defined_later if _reads(rule["expr"], rec)}
+            assert not early, (group["name"], rule.get("alert") or rule.get("record"), early)
+
+
+def test_gpu_alerts_join_the_rank_map_of_their_own_group():
+    """The GPU-to-rank map is recorded once per evaluation, in the group of the alerts that join
+    it and before them, so they see it in the same evaluation (no alert re-derives it)."""
+    for group in _groups(*RULE_FILES):
+        maps = [r["record"] for r in group["rules"] if r.get("record", "").startswith("uuid:")]
+        for rule in group["rules"]:
+            if "alert" in rule and rule["alert"].startswith("RankscopeGPU"):
+                assert "label_replace(rankscope_rank_info" not in rule["expr"], rule["alert"]
+                assert any(_reads(rule["expr"], m) for m in maps), (group["name"], rule["alert"])
+
+
+def test_promtool_tests_evaluate_the_groups_in_their_order():
+    """promtool evaluates groups in group_eval_order at each step: the rendered order, records
+    first, as Prometheus's alerts read other groups' records at most one evaluation late."""
+    order = [g.name for g in RULE_GROUPS]
+    for path in sorted((PROM / "tests").glob("*.yml")):
+        doc = yaml.safe_load(path.read_text())
+        assert doc.get("group_eval_order") == order, path.name
+        assert sorted(doc["rule_files"]) == ["../rules/alerts.yml", "../rules/recording.yml"], path.name
+
+
 def test_keep_firing_for_is_rendered_and_valid(tmp_path):
     """keep_firing_for (Prometheus >= 2.42) reaches the rule files, production and fast."""
     config = generate.load_thresholds()
@@ -64,7 +124,7 @@ def test_keep_firing_for_is_rendered_and_valid(tmp_path):
     for name, value in config["keep_firing_for"].items():
         assert rules[name]["keep_firing_for"] == value, name
     generate.main(["--override", str(PROM / "fast.yaml"), "--out", str(tmp_path)])
-    fast = {r["alert"]: r for r in yaml.safe_load((tmp_path / generate.ALERTS_FILE).read_text())["groups"][0]["rules"]}
+    fast = {r["alert"]: r for r in rules_of(tmp_path / generate.ALERTS_FILE) if "alert" in r}
     assert all("keep_firing_for" in fast[name] for name in config["keep_firing_for"])
 
 
@@ -203,7 +263,7 @@ def test_rules_use_only_catalog_metrics():
         if spec.kind == "histogram":
             allowed |= {spec.name + s for s in ("_bucket", "_sum", "_count")}
     used = {}
-    for group in (yaml.safe_load(p.read_text())["groups"][0] for p in RULE_FILES):
+    for group in (g for p in RULE_FILES for g in yaml.safe_load(p.read_text())["groups"]):
         for rule in group["rules"]:
             texts = [rule["expr"]] + [q for q in re.findall(r"printf `([^`]*)`", str(rule.get("annotations", {}))) if "%s" in q]
             for text in texts:
