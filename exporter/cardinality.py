@@ -31,7 +31,8 @@ label (all of rankscope's do); any other histogram is served as is.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+import copy
+from typing import Iterable
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
@@ -45,11 +46,10 @@ FULL, SUM_COUNT, NODE_BUCKETS = RANK_HISTOGRAM_MODES
 RANK_ONLY_LABELS = frozenset(("rank", "local_rank"))
 
 
-def _items(metric: Metric) -> Iterator[tuple[str, tuple, float]]:
-    """(sample name, labels as pairs, value) of every sample served."""
-    if isinstance(metric, MergedFamily) and metric._explicit is None:
-        return metric.items()
-    return ((s.name, tuple(s.labels.items()), s.value) for s in metric.samples)
+# Per merge plan (rankscope.exporter.reader): which of its series a reduced mode keeps, and how the node
+# histograms add them up. Worked out once per file layout, as the plan itself.
+_LAYOUTS: dict[int, tuple[object, list[bool] | None, list]] = {}
+_LAYOUTS_MAX = 4096
 
 
 def reduce_histograms(metrics: Iterable[Metric], mode: str) -> list[Metric]:
@@ -63,40 +63,69 @@ def reduce_histograms(metrics: Iterable[Metric], mode: str) -> list[Metric]:
         if m.type != "histogram":
             out.append(m)
             continue
-        items = list(_items(m))
-        if not items or not all(any(k == "rank" for k, _ in labels) for _, labels, _ in items):
-            out.append(m)
-            continue
-        bucket = m.name + "_bucket"
-        reduced = Metric(m.name, m.documentation, "summary", m.unit)
-        reduced.samples = [Sample(name, dict(labels), value) for name, labels, value in items if name != bucket]
+        if isinstance(m, MergedFamily) and m._explicit is None and m._keep is None and m.order is None:
+            # The merged family's own slots, served through the reader's cached rendering.
+            keep, layout = _layout(m.plan, m.name, [(s.name, s.labels) for s in m.plan.series])
+            if keep is None:
+                out.append(m)
+                continue
+            reduced = copy.copy(m)
+            reduced.type, reduced._keep = "summary", keep
+            values = m.values
+        else:
+            samples = list(m.samples)
+            keep, layout = _layout(None, m.name, [(s.name, tuple(s.labels.items())) for s in samples])
+            if keep is None:
+                out.append(m)
+                continue
+            reduced = Metric(m.name, m.documentation, "summary", m.unit)
+            reduced.samples = [s for s, k in zip(samples, keep) if k]
+            values = [s.value for s in samples]
         out.append(reduced)
         if mode == NODE_BUCKETS:
-            nodes.append(_node_histogram(m, items))
+            node = Metric(node_name(m.name), node_help(m.documentation), "histogram", m.unit)
+            for name, labels, indices in layout:
+                total = 0.0
+                for i in indices:
+                    total += values[i]
+                node.samples.append(Sample(name, labels, total))
+            nodes.append(node)
     return out + nodes
 
 
-def _node_histogram(m: Metric, items: list[tuple[str, tuple, float]]) -> Metric:
-    """The ranks' buckets, counts and sums, added up per label set without rank and local_rank."""
-    groups: dict[tuple, dict[str, float]] = {}   # labels without rank, local_rank, le -> {le or suffix: value}
-    for name, labels, value in items:
-        suffix = name[len(m.name):]
-        key = tuple(lv for lv in labels if lv[0] not in RANK_ONLY_LABELS and lv[0] != "le")
-        slot = dict(labels).get("le") if suffix == "_bucket" else suffix
-        values = groups.setdefault(key, {})
-        values[slot] = values.get(slot, 0.0) + value
-    name = node_name(m.name)
-    node = Metric(name, node_help(m.documentation), "histogram", m.unit)
-    for key, values in groups.items():
-        labels = dict(key)
-        bounds = sorted((slot for slot in values if slot not in ("_sum", "_count")), key=float)
-        for le in bounds:
-            node.samples.append(Sample(name + "_bucket", {**labels, "le": le}, values[le]))
-        for suffix in ("_count", "_sum"):
-            if suffix in values:
-                node.samples.append(Sample(name + suffix, labels, values[suffix]))
-    return node
-
+def _layout(plan: object | None, family: str, series: list[tuple[str, tuple]]) -> tuple[list[bool] | None, list]:
+    """For a histogram's series (sample name, labels as pairs): which to keep (everything but the buckets;
+    None: the family is not per-rank, served as is), and the node histogram's series: (sample name, labels,
+    indices of the series it adds up), the buckets of each label set (without rank, local_rank) in ``le``
+    order, then its _count and _sum."""
+    if plan is not None:
+        hit = _LAYOUTS.get(id(plan))
+        if hit is not None and hit[0] is plan:
+            return hit[1], hit[2]
+    bucket = family + "_bucket"
+    if not series or not all(any(k == "rank" for k, _ in labels) for _, labels in series):
+        keep, layout = None, []
+    else:
+        keep = [name != bucket for name, _ in series]
+        groups: dict[tuple, dict[str, list[int]]] = {}   # labels without rank, local_rank, le -> {le or suffix: [i]}
+        for i, (name, labels) in enumerate(series):
+            key = tuple(lv for lv in labels if lv[0] not in RANK_ONLY_LABELS and lv[0] != "le")
+            slot = dict(labels).get("le", "") if name == bucket else name[len(family):]
+            groups.setdefault(key, {}).setdefault(slot, []).append(i)
+        name = node_name(family)
+        layout = []
+        for key, slots in groups.items():
+            labels = dict(key)
+            for le in sorted((slot for slot in slots if slot not in ("_sum", "_count")), key=float):
+                layout.append((name + "_bucket", {**labels, "le": le}, slots[le]))
+            for suffix in ("_count", "_sum"):
+                if suffix in slots:
+                    layout.append((name + suffix, labels, slots[suffix]))
+    if plan is not None:
+        if len(_LAYOUTS) >= _LAYOUTS_MAX:
+            _LAYOUTS.clear()
+        _LAYOUTS[id(plan)] = (plan, keep, layout)
+    return keep, layout
 
 def count_series(directory, mode: str) -> dict[str, dict]:
     """Series a node's exporter would serve in ``mode`` for the runs in ``directory``, per run:
