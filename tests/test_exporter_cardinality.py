@@ -268,6 +268,22 @@ def test_text_renders_as_the_library_and_parses(one_run_dir, mode):
     assert len(parsed) == len(parsed_om) == sum(len(m.samples) for m in families)
 
 
+def test_the_library_merge_is_reduced_the_same(one_run_dir):
+    """Where the reader falls back to MultiProcessCollector.merge (plain Metrics, not merged slots),
+    a reduced mode serves the same samples and text."""
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from rankscope.exporter.reader import Reader
+
+    run_dir = one_run_dir / run_slug("job-a")
+    files = sorted(str(f) for f in run_dir.glob("*.db"))
+    for mode in ("sum-count", "node-buckets"):
+        ours = reduce_histograms(Reader().merge(run_dir, files), mode)
+        theirs = reduce_histograms(MultiProcessCollector.merge(files, accumulate=True), mode)
+        assert canon(ours, skip=()) == canon(theirs, skip=())
+        assert Renderer().render(Frozen(ours)) == Renderer().render(Frozen(theirs)) == generate_latest(Frozen(theirs))
+
+
 def series_per_rank_and_node(families) -> tuple[dict[str, int], int]:
     """Series per rank of run job-a, and the series without a rank label."""
     per_rank: dict[str, int] = defaultdict(int)
@@ -294,6 +310,22 @@ def test_series_saved_per_rank(metrics_dir):
         assert per_rank == {r: n - buckets for r, n in full.items()}
     assert counts["full"][1] == counts["sum-count"][1] == 0
     assert counts["node-buckets"][1] == buckets + 2 * 6   # each node histogram: the buckets, _sum and _count
+
+
+def test_the_counting_tool(one_run_dir, capsys):
+    """python -m rankscope.exporter.cardinality: what docs/scaling.md's budget was measured with."""
+    from rankscope.exporter.cardinality import count_series, main
+
+    full, reduced = count_series(one_run_dir, "full"), count_series(one_run_dir, "node-buckets")
+    assert full[""] == {"per_rank": {}, "node": 10}   # info, the ranks collector's health (2), 7 state counts
+    buckets = 18 + 14 + 2 * 16 + 2 * 16
+    assert set(full["job-a"]["per_rank"]) == {"0", "1", "2", "3"}
+    assert {r: n - buckets for r, n in full["job-a"]["per_rank"].items()} == reduced["job-a"]["per_rank"]
+    assert (full["job-a"]["node"], reduced["job-a"]["node"]) == (0, buckets + 2 * 6)
+    assert main(["--dir", str(one_run_dir)]) == 0
+    per_rank = full["job-a"]["per_rank"]["0"]
+    assert f"| job-a | sum-count | 4 | {per_rank - buckets} | 0 | 10 | {8 * (per_rank - buckets) + 10} |" \
+        in capsys.readouterr().out
 
 
 # -- scrape-time relabelling, from docs/scaling.md ----------------------------------------------------------------
