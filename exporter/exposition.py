@@ -129,11 +129,22 @@ class Format:
         out.extend(lines)
 
     def render(self, registry: Collector) -> bytes:
-        out: list[str] = []
+        # One family per name: the ranks' families come once per run directory, and OpenMetrics
+        # parsers reject a name whose samples are split ("Clashing name"). A later family of a
+        # name joins the first one's lines, without its header.
+        by_name: dict[str, list[str]] = {}
         for metric in registry.collect():
-            if isinstance(metric, MergedFamily) and metric.render(self, out):
-                continue
-            self.render_generic(metric, out)
+            lines: list[str] = []
+            if not (isinstance(metric, MergedFamily) and metric.render(self, lines)):
+                self.render_generic(metric, lines)
+            first = by_name.get(metric.name)
+            if first is None:
+                by_name[metric.name] = lines
+            elif lines and lines[0] == self.header(metric):
+                first.extend(lines[1:])
+            else:   # rendered whole by the library (its header inside): kept as it is
+                first.extend(lines)
+        out = [line for lines in by_name.values() for line in lines]
         out.append(self.trailer)
         return "".join(out).encode("utf-8")
 

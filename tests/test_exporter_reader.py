@@ -291,3 +291,31 @@ def test_wsgi_app_bytes_equal_the_library_app(tmp_path):
                 if encoding:
                     a, b = gzip.decompress(a), gzip.decompress(b)
                 assert got[0] == got[1] and a == b, (accept, encoding, query)
+
+
+def test_two_runs_in_one_directory_serve_each_family_once(tmp_path):
+    """The ranks' families come once per run directory; a page must still hold each name once
+    (OpenMetrics parsers reject a family whose samples are split: "Clashing name")."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+    from prometheus_client.parser import text_string_to_metric_families as parse_text
+
+    from rankscope.metrics import RankMetrics
+
+    me = os.getpid()
+    for run in ("a", "b"):
+        run_dir = tmp_path / run
+        run_dir.mkdir()
+        m = RankMetrics(run_dir, {"run": run, "rank": "0", "local_rank": "0", "node": "n"})
+        m.steps.inc(3 if run == "a" else 5)
+        m.step_duration.observe(0.2)
+        Registration(run=run, rank=0, local_rank=0, node="n", world_size=1, local_world_size=1, pid=me,
+                     pid_start_ticks=process_start_ticks(me), agent_pid=1, agent_start_ticks=process_start_ticks(1),
+                     started_at=time.time()).save(run_dir)
+    collector = RankCollector(ExporterConfig(directory=tmp_path, nvml=False))
+    for encoder, parse in ((generate_latest, parse_text), (openmetrics_latest, parse_openmetrics)):
+        text = Renderer().render(collector, encoder).decode()
+        families = list(parse(text))
+        names = [f.name for f in families]
+        assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+        steps = {s.labels["run"]: s.value for f in families for s in f.samples if s.name == "rankscope_steps_total"}
+        assert steps == {"a": 3.0, "b": 5.0}
