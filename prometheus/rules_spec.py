@@ -209,9 +209,10 @@ NODE_LOST = (
 # waited in a collective for collective_behind_wait_seconds, and which waits in
 # no collective itself (a rank blocked elsewhere, by the culprit, is a victim),
 # has stepped no more for as long, and is not frozen (RankFrozen says more).
-# Written out from the raw series rather than through the recording rules, so that
-# the alert group needs no recording-group evaluation first: it can go pending one
-# scrape and one evaluation after the peers' wait crosses the bar.
+# Computed from the raw series, and recorded in the alert's own group just before it
+# (rankscope.alerts.collectives), so that the alert needs no other group's evaluation
+# first: it can go pending one scrape and one evaluation after the peers' wait crosses
+# the bar.
 # The wait as of the scrape (the sample's timestamp), as the exporter computes
 # rankscope_collective_in_flight_seconds: measured on one clock, the same hang
 # never crosses this bar before HangSuspect's, which then keeps this alert quiet.
@@ -243,7 +244,7 @@ COLLECTIVE_BEHIND_REST = (
     "unless on (run, rank) (rankscope_rank_state{SEL,state=\"frozen\"} == 1)")
 COLLECTIVE_BEHIND = "(\n  " + SEQ_BEHIND.replace("\n", "\n  ") + "\n)\n" + COLLECTIVE_BEHIND_REST
 # The same, reading SEQ_BEHIND from its record (rank_group:rankscope_process_group_seq:behind),
-# for the cause record evaluated after it in the same group: the same evaluation's value.
+# for the cause and the alert evaluated after it in its group: the same evaluation's value.
 SEQ_BEHIND_RECORD = "rank_group:rankscope_process_group_seq:behind"
 COLLECTIVE_BEHIND_FROM_RECORD = SEQ_BEHIND_RECORD + "\n" + COLLECTIVE_BEHIND_REST
 
@@ -477,7 +478,7 @@ ALERTS: tuple[Alert, ...] = (
     # does not see. Where HangSuspect (or a dead, lost or frozen rank) already
     # names the cause, it stays quiet: one page per hang.
     Alert("RankscopeCollectiveBehind",
-          "(\n  " + _indent(COLLECTIVE_BEHIND) + "\n)\n"
+          "(\n  " + _indent(COLLECTIVE_BEHIND_FROM_RECORD) + "\n)\n"
           "unless on (run) run:rankscope_cause:present{cause=~\"rank_down|node_lost|hang_suspect|frozen\"}\n"
           # HangSuspect's condition itself, in the same evaluation: the cause record lags one.
           "unless on (run) (\n  " + _indent(HANG_SUSPECT) + "\n)",
@@ -734,28 +735,34 @@ RULE_GROUPS: tuple[Group, ...] = (
         _cause("frozen"),
         _cause("stalled"),
     )),
-    # Hangs: every process group's front and waits, and the hang causes.
+    # Hangs: every process group's front and waits (dashboards, annotations), the hang cause.
     Group("rankscope.recording.hangs", (
         "rank_group_op:rankscope_process_group_in_flight:seconds",
         "group:rankscope_process_group_last_enqueued_seq:max",
         "group:rankscope_process_group_in_flight:max_seconds",
-        SEQ_BEHIND_RECORD,
         _cause("hang_suspect"),
-        _cause("collective_behind"),
     )),
     # ---- alert groups (alerts.yml) ----
+    # The ranks behind their process group's front, recorded once, then read in the
+    # same evaluation by the collective_behind cause and by CollectiveBehind, which so
+    # pages one scrape and one evaluation after the peers' wait crosses its bar. First
+    # of the alert groups: the cause is read by the liveness and bottleneck alerts.
+    Group("rankscope.alerts.collectives", (
+        SEQ_BEHIND_RECORD,
+        _cause("collective_behind"),
+        "RankscopeCollectiveBehind",
+    )),
     Group("rankscope.alerts.liveness", (
         "RankscopeRankDown",
         "RankscopeNodeLost",
         "RankscopeRankFrozen",
         "RankscopeTargetDown",
+        "RankscopeRunStalled",
     )),
-    # HangSuspect and CollectiveBehind read the raw series, not the records: they
-    # page one scrape and one evaluation after the crossing.
+    # HangSuspect reads the raw series, not the hang cause: it pages one scrape and
+    # one evaluation after the crossing.
     Group("rankscope.alerts.hangs", (
         "RankscopeHangSuspect",
-        "RankscopeCollectiveBehind",
-        "RankscopeRunStalled",
     )),
     Group("rankscope.alerts.events", (
         "RankscopeNonFiniteLoss",

@@ -118,6 +118,27 @@ def dashboard_latencies(prom: PrometheusServer, run: str, end: float) -> list[di
     return results
 
 
+def record_evaluations(prom: PrometheusServer, into: dict) -> None:
+    """Each group's last evaluation (its duration and its slowest rules), keyed by when it ran."""
+    for g in api(prom, "rules")["groups"]:
+        at = g.get("lastEvaluation", "")
+        if at.startswith("0001") or (g["name"], at) in into:
+            continue
+        rules = sorted(g["rules"], key=lambda r: -r.get("evaluationTime", 0.0))[:3]
+        into[(g["name"], at)] = {"group": g["name"], "at": at, "seconds": g.get("evaluationTime", 0.0),
+                                 "load": os.getloadavg()[0],
+                                 "slowest": [[r.get("name"), r.get("evaluationTime", 0.0)] for r in rules]}
+
+
+def cpu_window(prom: PrometheusServer, seconds: float) -> dict:
+    """Prometheus's CPU seconds per wall second over the next ``seconds``, and the load average."""
+    m0, t0 = prom_metrics(prom), time.monotonic()
+    time.sleep(seconds)
+    m1, t1 = prom_metrics(prom), time.monotonic()
+    return {"cores": (one(m1, "process_cpu_seconds_total") - one(m0, "process_cpu_seconds_total")) / (t1 - t0),
+            "seconds": t1 - t0, "load": os.getloadavg()[0]}
+
+
 def pages(hook: WebhookReceiver) -> dict[str, set[tuple[str, str, str]]]:
     """alertname -> {(receiver path, run, rank)} delivered firing."""
     out: dict[str, set] = {}
@@ -135,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault-after", type=float, default=180.0, help="seconds before the NaN and the hang start")
     ap.add_argument("--straggler-for", default="1m", help="RankscopeStraggler's for: (production: 10m)")
     ap.add_argument("--timeout", type=float, default=600.0, help="give up waiting for the pages after this")
+    ap.add_argument("--extra-rounds", type=int, default=2,
+                    help="15 s rounds of rule evaluations read after the pages, before the final readings")
+    ap.add_argument("--ingest-only-window", type=float, default=0.0,
+                    help="seconds: Prometheus's CPU use with the rules, then as long without them (0: skip)")
+    ap.add_argument("--no-dashboards", dest="dashboards", action="store_false",
+                    help="skip the dashboard query timings")
     ap.add_argument("--out", type=Path, help="write the measurement (JSON) here")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop every server started here
@@ -163,23 +190,32 @@ def main(argv: list[str] | None = None) -> int:
         config = PrometheusServer.build_config(rule_files=rules, alertmanager=am.address,
                                                scrape_interval=f"{INTERVAL_S}s", evaluation_interval=f"{INTERVAL_S}s")
         config["global"]["scrape_timeout"] = "10s"
+        config["rule_files"] = [str(rules_dir / "*.yml")]  # a glob: emptied for the ingest-only window
         config["scrape_configs"] = [{"job_name": "rankscope",
                                      "file_sd_configs": [{"files": [str(targets_file)]}]}]
         prom = stack.enter_context(PrometheusServer(config=config))
         print(f"prometheus pid {prom.proc.pid} at {prom.url}", flush=True)
         deadline = time.monotonic() + args.timeout
         want = {kind: (f["run"], str(f["rank"])) for kind, f in faults.items()}
-        samples_t0 = None
         peak_rss = 0.0
         group_samples: list[dict] = []
+        evaluations: dict[tuple[str, str], dict] = {}
+        cpu_samples: list[dict] = []
+        cpu_prev = None
         while time.monotonic() < deadline:
             time.sleep(INTERVAL_S)
             m = prom_metrics(prom)
             peak_rss = max(peak_rss, one(m, "process_resident_memory_bytes"))
+            now_cpu = (time.monotonic(), one(m, "process_cpu_seconds_total"))
+            if cpu_prev:
+                cpu_samples.append({"load": os.getloadavg()[0],
+                                    "cores": (now_cpu[1] - cpu_prev[1]) / (now_cpu[0] - cpu_prev[0])})
+            cpu_prev = now_cpu
             # One reading of a group's last duration is noisy on a shared machine: keep them all.
             group_samples.append({"load": os.getloadavg()[0], **{
                 labels["rule_group"].split(";")[-1]: v
                 for labels, v in m.get("prometheus_rule_group_last_duration_seconds", [])}})
+            record_evaluations(prom, evaluations)
             got = pages(hook)
             named = {kind: {(run, rank) for _, run, rank in got.get(FAULT_ALERTS[kind], set())} for kind in want}
             print(f"{time.strftime('%H:%M:%S')} head={one(m, 'prometheus_tsdb_head_series'):.0f} "
@@ -188,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             if all(want[k] in named[k] for k in want):
                 break
         # Let the rules run a few more rounds at full size before reading their durations.
-        time.sleep(2 * INTERVAL_S)
+        for _ in range(args.extra_rounds):
+            time.sleep(INTERVAL_S)
+            record_evaluations(prom, evaluations)
         m = prom_metrics(prom)
         appended = one(m, "prometheus_tsdb_head_samples_appended_total")
         t1 = time.time()
@@ -202,10 +240,20 @@ def main(argv: list[str] | None = None) -> int:
                                  for labels, v in m2["prometheus_rule_group_last_duration_seconds"]}
         group_samples.append({"load": os.getloadavg()[0], **report["rule_groups"]})
         report["rule_group_samples"] = group_samples
+        record_evaluations(prom, evaluations)
+        report["rule_group_intervals"] = {labels["rule_group"].split(";")[-1]: v
+                                          for labels, v in m2.get("prometheus_rule_group_interval_seconds", [])}
+        # Each evaluation once (a 1 m group's last duration reads the same evaluation 4 times).
+        report["rule_group_evaluations"] = sorted(evaluations.values(), key=lambda e: (e["group"], e["at"]))
         report["rule_group_stats"] = {
-            g: {"median_s": statistics.median(v), "max_s": max(v), "samples": len(v)}
+            g: {"median_s": statistics.median(v), "max_s": max(v), "samples": len(v),
+                "interval_s": report["rule_group_intervals"].get(g, INTERVAL_S)}
             for g in report["rule_groups"]
-            for v in [[x[g] for x in group_samples if x.get(g)]] if v}
+            for v in [[e["seconds"] for e in evaluations.values() if e["group"] == g]
+                      or [x[g] for x in group_samples if x.get(g)]] if v}
+        report["prometheus_cpu_samples"] = cpu_samples
+        if cpu_samples:
+            report["prometheus_cpu_cores_median"] = statistics.median(c["cores"] for c in cpu_samples)
         report["missed_iterations"] = {labels["rule_group"].split(";")[-1]: v
                                        for labels, v in m2.get("prometheus_rule_group_iterations_missed_total", [])}
         report["slowest_rules"] = sorted(
@@ -223,21 +271,37 @@ def main(argv: list[str] | None = None) -> int:
                                       "ok": named == [(run, rank)]}
         report["other_pages"] = sorted(f"{a} {r}/{k} via {p}" for a, v in got.items()
                                        if a not in FAULT_ALERTS.values() for p, r, k in v)
-        report["load_before_queries"] = os.getloadavg()
-        lat = dashboard_latencies(prom, faults["straggler"]["run"], time.time())
-        report["dashboard_queries"] = lat
-        secs = [q["seconds"] for q in lat if q["query"] != "(variables)"]
-        report["dashboard_summary"] = {"queries": len(secs), "median_s": statistics.median(secs),
-                                       "p90_s": sorted(secs)[int(0.9 * (len(secs) - 1))], "max_s": max(secs),
-                                       "slowest": sorted(lat, key=lambda q: -q["seconds"])[:5],
-                                       "errors": [q for q in lat if q["error"]],
-                                       "empty": [f"{q['dashboard']}/{q['query']}" for q in lat if q["series"] == 0]}
+        if args.ingest_only_window:
+            # Prometheus's CPU with the same scrapes and no rules: what ingestion alone costs.
+            ingest = {"with_rules": cpu_window(prom, args.ingest_only_window)}
+            for f in rules_dir.glob("*.yml"):
+                f.rename(f.with_suffix(".off"))
+            prom.reload()
+            time.sleep(INTERVAL_S)
+            ingest["without_rules"] = cpu_window(prom, args.ingest_only_window)
+            for f in rules_dir.glob("*.off"):
+                f.rename(f.with_suffix(".yml"))
+            prom.reload()
+            report["prometheus_cpu"] = ingest
+            print(f"prometheus cpu: {ingest}", flush=True)
+        if args.dashboards:
+            report["load_before_queries"] = os.getloadavg()
+            lat = dashboard_latencies(prom, faults["straggler"]["run"], time.time())
+            report["dashboard_queries"] = lat
+            secs = [q["seconds"] for q in lat if q["query"] != "(variables)"]
+            report["dashboard_summary"] = {"queries": len(secs), "median_s": statistics.median(secs),
+                                           "p90_s": sorted(secs)[int(0.9 * (len(secs) - 1))], "max_s": max(secs),
+                                           "slowest": sorted(lat, key=lambda q: -q["seconds"])[:5],
+                                           "errors": [q for q in lat if q["error"]],
+                                           "empty": [f"{q['dashboard']}/{q['query']}" for q in lat
+                                                     if q["series"] == 0]}
     report["load_after"] = os.getloadavg()
     text = json.dumps(report, indent=1, default=list)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
-    summary = {k: v for k, v in report.items() if k not in ("dashboard_queries",)}
+    summary = {k: v for k, v in report.items()
+               if k not in ("dashboard_queries", "rule_group_evaluations", "rule_group_samples", "prometheus_cpu_samples")}
     print(json.dumps(summary, indent=1, default=list))
     return 0 if all(f["ok"] for f in report["faults"].values()) else 1
 

@@ -11,7 +11,7 @@ variants are loaded in turn (A, B, A, B, ...: ``--cycles``), by replacing the
 files Prometheus's ``rule_files`` glob reads and reloading, so they evaluate
 over the same TSDB, the same series and similar load. While a variant is
 loaded, every group evaluation is read back from /api/v1/rules (the group's
-``evaluationTime`` and each rule's), the first one after a reload left out.
+``evaluationTime`` and each rule's).
 Also reported per phase: the load average and Prometheus's CPU use
 (``process_cpu_seconds_total`` per wall second).
 
@@ -82,9 +82,9 @@ def rule_key(rule: dict) -> str:
 
 
 def observe(prom: PrometheusServer, seconds: float) -> dict:
-    """Every group evaluation seen in ``seconds`` (polled every 3 s), the first of each group dropped."""
+    """Every group evaluation that ended in the next ``seconds`` (polled every 3 s)."""
     seen: dict[tuple[str, str], dict] = {}
-    first: dict[str, str] = {}
+    before = {(g["name"], g.get("lastEvaluation", "")) for g in api(prom, "rules")["groups"]}
     m0, t0 = prom_metrics(prom), time.monotonic()
     loads = []
     end = time.monotonic() + seconds
@@ -93,8 +93,7 @@ def observe(prom: PrometheusServer, seconds: float) -> dict:
             at = g.get("lastEvaluation", "")
             if at.startswith("0001"):
                 continue
-            first.setdefault(g["name"], at)
-            if at == first[g["name"]] or (g["name"], at) in seen:
+            if (g["name"], at) in before or (g["name"], at) in seen:
                 continue
             seen[(g["name"], at)] = {"group": g["name"], "interval": g.get("interval"), "at": at,
                                      "seconds": g.get("evaluationTime", 0.0),

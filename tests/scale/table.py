@@ -20,8 +20,9 @@ def vm_table(rows: list[dict]) -> None:
         rss = r["rss_peak_bytes"]
         agents = " + ".join(f"{v / 2**30:.2f}" for k, v in sorted(rss.items()) if k.startswith("vmagent"))
         g = r["rule_groups"]
-        groups = ", ".join(f"{name.split('.')[-1]} {g[name + '@0.5']:.1f} s ({g[name + '@1']:.1f} s)"
-                           for name in ("rankscope.recording", "rankscope.alerts") if name + "@0.5" in g)
+        names = sorted({k.rsplit("@", 1)[0] for k in g if "@" in k}, key=lambda n: -g.get(n + "@0.5", 0.0))
+        groups = ", ".join(f"{short(name)} {g[name + '@0.5']:.1f} s ({g.get(name + '@1', float('nan')):.1f} s)"
+                           for name in names if name + "@0.5" in g)
         d = r["dashboard_summary"]
         faults = ", ".join(f"{k} {'ok' if f['ok'] else 'WRONG'} ({'/'.join(map(str, f['want']))})"
                            for k, f in r["faults"].items())
@@ -30,6 +31,25 @@ def vm_table(rows: list[dict]) -> None:
               f"{rss.get('vmalert', 0) / 2**30:.2f} GiB | {groups} "
               f"| {d['median_s']:.2f} / {d['p90_s']:.2f} / {d['max_s']:.2f} s ({d['queries']}, {len(d['errors'])} errors) "
               f"| {faults} | {r['load_during'][0]:.1f} |")
+
+
+def short(group: str) -> str:
+    return group.removeprefix("rankscope.")
+
+
+def group_stats(r: dict) -> list[dict]:
+    """Each rule group's evaluations: median and max seconds, against its own interval.
+
+    From the unique evaluations where the run recorded them, else from the readings of
+    prometheus_rule_group_last_duration_seconds every 15 s, else the last reading."""
+    intervals = r.get("rule_group_intervals", {})
+    out = []
+    for name, last in sorted(r["rule_groups"].items()):
+        iv = intervals.get(name, r["interval_s"])
+        st = r.get("rule_group_stats", {}).get(name, {"median_s": last, "max_s": last, "samples": 1})
+        out.append({"group": name, "interval": iv, "n": st["samples"], "median_s": st["median_s"],
+                    "max_s": st["max_s"], "median_pct": 100 * st["median_s"] / iv, "max_pct": 100 * st["max_s"] / iv})
+    return out
 
 
 def main(paths: list[str]) -> int:
@@ -42,37 +62,45 @@ def main(paths: list[str]) -> int:
     rows = [r for r in rows if r not in vm_rows]
     if not rows:
         return 0
-    print("| file | nodes x 8 | head series | samples/s | RSS (peak) | recording group | alerts group "
-          "| max scrape | dashboard queries: median / p90 / max | faults paged (rank) | load (1 min) |")
+    print("| file | nodes x 8 | head series | samples/s | RSS (peak) | rule groups: slowest median / slowest max "
+          "(% of its interval) | max scrape | dashboard queries: median / p90 / max | faults paged (rank) "
+          "| load (1 min) | Prometheus CPU (cores) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        g = r["rule_groups"]
-        iv = r["interval_s"]
-        d = r["dashboard_summary"]
+        d = r.get("dashboard_summary")
         faults = ", ".join(f"{k} {'ok' if f['ok'] else 'WRONG'} ({'/'.join(map(str, f['want']))}"
                            f"{'' if f['ok'] else ' got ' + str(f['paged'])})" for k, f in r["faults"].items())
-        stats = r.get("rule_group_stats", {})
-
-        def group(name: str) -> str:
-            if name not in g:
-                return "-"
-            last = f"{g[name]:.2f} s ({100 * g[name] / iv:.0f}%)"
-            if name in stats:  # median and max of the readings every 15 s while the faults paged
-                st = stats[name]
-                return (f"{last}; median {st['median_s']:.2f} s ({100 * st['median_s'] / iv:.0f}%), "
-                        f"max {st['max_s']:.2f} s ({100 * st['max_s'] / iv:.0f}%)")
-            return last
+        stats = group_stats(r)
+        worst_med = max(stats, key=lambda g: g["median_pct"])
+        worst_max = max(stats, key=lambda g: g["max_pct"])
+        groups = (f"{len(stats)} groups: {worst_med['median_pct']:.0f}% ({short(worst_med['group'])}) / "
+                  f"{worst_max['max_pct']:.0f}% ({short(worst_max['group'])})")
+        queries = (f"{d['median_s']:.2f} / {d['p90_s']:.2f} / {d['max_s']:.2f} s ({d['queries']}, "
+                   f"{len(d['errors'])} errors)" if d else "not run")
+        cpu = r.get("prometheus_cpu")
+        cpu_text = (f"{r['prometheus_cpu_cores_median']:.2f}" if "prometheus_cpu_cores_median" in r else "-")
+        if cpu:
+            cpu_text += (f"; {cpu['with_rules']['cores']:.2f} with rules, {cpu['without_rules']['cores']:.2f} "
+                         f"without (1 min each)")
         print(f"| {r['file']} | {r['nodes']} x 8 = {r['ranks']} | {r['head_series']:,.0f} | {r['samples_per_second']:,.0f} "
-              f"| {r['rss_bytes'] / 2**30:.2f} GiB ({r['peak_rss_bytes'] / 2**30:.2f}) "
-              f"| {group('rankscope.recording')} | {group('rankscope.alerts')} "
-              f"| {r['max_scrape_seconds']:.2f} s | {d['median_s']:.2f} / {d['p90_s']:.2f} / {d['max_s']:.2f} s "
-              f"({d['queries']}, {len(d['errors'])} errors) | {faults} | {r['load_during'][0]:.1f} |")
+              f"| {r['rss_bytes'] / 2**30:.2f} GiB ({r['peak_rss_bytes'] / 2**30:.2f}) | {groups} "
+              f"| {r['max_scrape_seconds']:.2f} s | {queries} | {faults} | {r['load_during'][0]:.1f} | {cpu_text} |")
+    for r in rows:
+        print()
+        print(f"{r['file']}: every rule group, seconds per evaluation (% of its interval)")
+        print()
+        print("| group | interval | evaluations | median | max | missed iterations |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for g in group_stats(r):
+            print(f"| {g['group']} | {g['interval']:.0f} s | {g['n']} | {g['median_s']:.2f} s ({g['median_pct']:.0f}%) "
+                  f"| {g['max_s']:.2f} s ({g['max_pct']:.0f}%) | {r.get('missed_iterations', {}).get(g['group'], 0):.0f} |")
     print()
     for r in rows:
         print(f"{r['file']}, slowest rules: " + ", ".join(
             f"{x['rule']} {x['seconds']:.2f} s" for x in r.get("slowest_rules", [])[:6]))
         print(f"{r['file']}, slowest dashboard queries: " + ", ".join(
-            f"{x['dashboard']}/{x['query']} {x['seconds']:.2f} s" for x in r["dashboard_summary"]["slowest"][:3]))
+            f"{x['dashboard']}/{x['query']} {x['seconds']:.2f} s"
+            for x in (r.get("dashboard_summary") or {"slowest": []})["slowest"][:3]))
     return 0
 
 
