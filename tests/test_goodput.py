@@ -65,6 +65,18 @@ def test_a_publish_during_a_step_never_counts_its_time_twice():
     assert s["startup"] == 1.0 and s["idle"] == pytest.approx(0.5)
 
 
+def test_a_hung_step_is_idle_as_it_passes_and_only_its_rest_counts_if_it_ends():
+    use = TimeUse(process_start=0.0, repeated_through=-1)
+    use.step(0, False, 1.0, 2.0, data=0.0)
+    use.hung(3.0, 50.0)                       # open since 3.0; a publish at 50.0 finds it hung
+    use.hung(3.0, 80.0)
+    use.step(1, False, 3.0, 81.0, data=0.5)   # it ended after all
+    s = use.take()
+    assert s == pytest.approx({**dict.fromkeys(GOODPUT_CATEGORIES, 0.0), "startup": 1.0, "productive": 1.0 + 0.5,
+                               "idle": 1.0 + 77.0, "data_wait": 0.5})
+    assert sum(s.values()) == pytest.approx(81.0)
+
+
 # -- one process, through the Monitor API ---------------------------------------------
 
 def test_categories_of_a_monitored_loop_add_up_to_its_wall_time(tmp_path, monkeypatch):
@@ -109,6 +121,29 @@ def test_categories_of_a_monitored_loop_add_up_to_its_wall_time(tmp_path, monkey
     # No FLOPs figure was given and there is no GPU: no MFU series at all, not a 0.
     names = {x.name for x in samples(m.run_dir)}
     assert "rankscope_model_flops_total" not in names and "rankscope_device_peak_flops" not in names
+
+
+def test_a_hung_step_counts_as_idle_while_it_hangs(tmp_path, monkeypatch):
+    from rankscope import accounting
+
+    monkeypatch.setattr(accounting, "HUNG_AFTER_S", 0.3)
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    m = Monitor(exporter="off", metrics_dir=tmp_path, run="hung", publish_interval_s=0.1)
+    try:
+        for i in range(20):
+            with m.step(step=i):
+                time.sleep(0.005)
+        with m.step(step=20):
+            time.sleep(1.0)                      # far beyond 0.3 s and 10 medians: hung
+            m.publisher.flush()
+            during = wall_seconds(m.run_dir)["0"]
+    finally:
+        m.close()
+    assert during["idle"] >= 0.6, during         # counted while the step was still open
+    assert during["productive"] < 0.2, during
+    after = wall_seconds(m.run_dir)["0"]
+    assert after["productive"] < 0.5, after       # the hang's first ~0.7 s stayed idle when it ended
 
 
 # -- a real job: checkpoints, a crash, a relaunch from the checkpoint --------------------

@@ -33,6 +33,8 @@ SLOW_STEP_FACTOR = 3.0       # a step this many times the running median is trac
 SLOW_STEP_FLOOR_S = 0.001    # ...if it took at least this long: µs-scale steps jitter by more than 3x
 ABSORB_SLICE_S = 0.0005      # the publisher works through ended steps in slices this long...
 GIL_YIELD_S = 0.0001         # ...sleeping this long between them (the GIL is free meanwhile)
+HUNG_AFTER_S = 30.0          # a step open this long, and HUNG_FACTOR times the running median step,
+HUNG_FACTOR = 10.0           # counts as idle (hung) from its start on, for goodput
 
 
 class Accumulator:
@@ -100,10 +102,11 @@ class StepAccounting:
 
     def __init__(self, judge: JudgeSettings, comm: Callable[[], Any], tracker: Any, tracing: Any,
                  device: Any, errors: Any, flush: Callable[[], None], time_use: TimeUse, progress: Progress,
-                 busy_since: Callable[[], float]):
+                 under_way: Callable[[], tuple[float, float]]):
         self._time_use = time_use       # goodput: where the wall time goes
         self._progress = progress       # the highest step the run completed, kept for a relaunch
-        self._busy_since = busy_since   # perf_counter since which the training thread is in a step, fetch or block
+        # (since when the loop is in a step, fetch or block; since when the open step is) on perf_counter, 0: not
+        self._under_way = under_way
         self._comm = comm               # the current comm_timing strategy (watch() may replace it)
         self._tracker = tracker
         self._tracing = tracing
@@ -217,7 +220,7 @@ class StepAccounting:
         for it, never waits longer than a slice. Left alone, a thread keeps the
         GIL for Python's switch interval (5 ms) before it must hand it over."""
         # Read first: what is under way now is attributed when it ends, after this drain.
-        busy = self._busy_since()
+        busy, step_since = self._under_way()
         now = time.perf_counter()
         ended = self._ended
         to_unix = time.time() - now
@@ -237,7 +240,10 @@ class StepAccounting:
                 time.sleep(GIL_YIELD_S)
                 self.hold.start()
                 slice_end = time.perf_counter() + ABSORB_SLICE_S
-        self._time_use.until(min(busy, now) if busy else now)
+        if step_since and now - step_since > max(HUNG_AFTER_S, HUNG_FACTOR * self._median_step):
+            self._time_use.hung(step_since, now)   # a hang, or waiting on a hung peer: idle, not productive
+        else:
+            self._time_use.until(min(busy, now) if busy else now)
         wall = self._time_use.take()
         with self._lock:
             acc_wall = self._acc.wall

@@ -15,13 +15,13 @@ no gap and no overlap, so they add up to the wall time (docs/goodput.md):
   loop numbers its steps (``monitor.step(step=...)``; the framework adapters
   do): with the default counter every launch starts from 0;
 * ``idle``: everything else, i.e. gaps between steps, steps cut short by an
-  exception, and time after the last step.
+  exception, time after the last step, and a hung step: one open longer than
+  30 s and 10 times the running median step counts as idle from its start.
 
 Time is attributed up to a moving ``mark``: a finished step, a finished
 interval, or, at a publish, "now" unless a step, a batch fetch or an interval
-is under way (that time is attributed when it ends). A step that never ends
-(a hang) is never attributed; the goodput rule divides by the window's wall
-time, so a hung rank reads 0 goodput, as it should.
+is under way (that time is attributed when it ends), except a hung step,
+whose time is idle as it passes.
 
 Everything here runs on the publisher thread, from what the training thread
 handed over (rankscope.accounting).
@@ -75,6 +75,14 @@ class TimeUse:
         self._seconds["idle"] += max(t1 - max(t0, self.mark), 0.0)
         self.started = True
         self.mark = max(self.mark, t1)
+
+    def hung(self, step_since: float, now: float) -> None:
+        """The step open since ``step_since`` has run far longer than steps do: its time so far is
+        idle; if it ever ends, only what follows ``now`` counts as the step's."""
+        self._gap_until(step_since)
+        if now > self.mark:
+            self._seconds["idle"] += now - self.mark
+            self.mark = now
 
     def until(self, horizon: float) -> None:
         """Attribute the time up to ``horizon`` (nothing under way before it)."""

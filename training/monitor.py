@@ -109,7 +109,8 @@ class Monitor:
         self.accounting = StepAccounting(judge, lambda: self.comm, self.tracker, self.tracing, self.device_reads,
                                          self.errors, flush=lambda: self.publisher.flush(),
                                          time_use=TimeUse(process_start_perf(), self._progress.completed),
-                                         progress=self._progress, busy_since=lambda: self.steps.busy_since())
+                                         progress=self._progress,
+                                         under_way=lambda: (self.steps.busy_since(), self.steps.open_step_since()))
         self.steps = StepTimer(self.tracker, self.comm, self.accounting.step_ended, self.errors.drop)
         self.user_metrics = UserMetrics(self.metrics, self.errors)
         memory = MemorySampler(self.device)

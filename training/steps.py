@@ -195,6 +195,11 @@ class StepTimer:
                                   self.block_started, self.settling_since) if t]
         return min(candidates) if candidates else 0.0
 
+    def open_step_since(self) -> float:
+        """When (perf_counter) the step now open began; 0 if none is open. Read by the publisher."""
+        s = self.step
+        return s.t0 if s.open else 0.0
+
     def settle(self) -> None:
         """The loop is over (the monitor closes): nothing is under way any more."""
         self.fetch_started = self.block_started = self.settling_since = 0.0
