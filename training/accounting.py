@@ -174,13 +174,18 @@ class StepAccounting:
         """A device tensor goes to the device reads (None is left); anything else is read later."""
         if value is None or not getattr(value, "is_cuda", False):
             return value
+        number = self._reduce(what, value)
+        if number is not None:
+            self._device.defer_value("loss" if what == "loss" else "grad", number, context)
+        return None
+
+    def _reduce(self, what: str, value: Any) -> Any:
+        """``values.read``: a float or a 0-d device tensor; None (a counted drop) if not a number."""
         try:
-            number = values.read(what, value)
+            return values.read(what, value)
         except values.NotANumber as e:
             self._errors.drop("value", str(e))
             return None
-        self._device.defer_value("loss" if what == "loss" else "grad", number, context)
-        return None
 
     def _overflow(self, ended: tuple) -> None:
         """The publisher is far behind: count the step here, without its details."""
@@ -316,12 +321,8 @@ class StepAccounting:
 
     def _read(self, what: str, value: Any, version: int | None) -> float | None:
         """The value as a float, or None (absent, already deferred to the device, or dropped)."""
-        if value is None:
-            return None
-        try:
-            number = values.read(what, value)
-        except values.NotANumber as e:
-            self._errors.drop("value", str(e))
+        number = None if value is None else self._reduce(what, value)
+        if number is None:
             return None
         if version is not None and getattr(value, "_version", version) != version:
             self._errors.drop("value_modified", f"{what}: the tensor given to step.observe() was modified in "
