@@ -134,6 +134,14 @@ STALLED = (
     ")\n"
     "unless on (run, rank) (increase(rankscope_steps_total{SEL}[<<progress_window>>]) > 0)")
 
+# HANG_SUSPECT and STALLED, each recorded once per evaluation in the group of the
+# alert that pages on it, before the alert and the cause that read it (the same
+# evaluation's value). CollectiveBehind keeps HANG_SUSPECT itself: it must see the
+# suspect in its own evaluation on every engine (vmalert reads a record of the same
+# group one evaluation late).
+HANG_SUSPECT_RECORD = "rank:rankscope_step_stalled_seconds:hang_suspect"
+STALLED_RECORD = "rank:rankscope_step_stalled_seconds:stalled"
+
 # Rate-window judgements (straggler, input, communication, throughput) wait
 # until the window no longer reaches back before the launch's first step: until
 # then it measures start-up (the first batch's loader start, compilation, a
@@ -383,13 +391,16 @@ RECORDING_RULES: tuple[Record, ...] = (
     # Collectives a rank is behind its group's front while a peer of the group
     # has waited past the bar and the rank itself waits in nothing that long.
     Record(SEQ_BEHIND_RECORD, SEQ_BEHIND),
+    # ---- hang suspects and stalled ranks (read by their alerts and causes) -----
+    Record(HANG_SUSPECT_RECORD, HANG_SUSPECT),
+    Record(STALLED_RECORD, STALLED),
     # ---- causes present in a run (1 per cause): their victims are not blamed ---
     cause("rank_down", "RankscopeRankDown", RANK_DOWN),
     cause("node_lost", "RankscopeNodeLost", NODE_LOST),
-    cause("hang_suspect", "RankscopeHangSuspect", HANG_SUSPECT),
+    cause("hang_suspect", "RankscopeHangSuspect", HANG_SUSPECT_RECORD),
     cause("frozen", "RankscopeRankFrozen", RANK_FROZEN),
     cause("collective_behind", "RankscopeCollectiveBehind", COLLECTIVE_BEHIND_FROM_RECORD),
-    cause("stalled", "RankscopeRunStalled", STALLED),
+    cause("stalled", "RankscopeRunStalled", STALLED_RECORD),
     cause("straggler", "RankscopeStraggler", STRAGGLER),
     cause("input_bound", "RankscopeInputBound", INPUT_BOUND),
     # ---- the rank using each GPU (read by the GPU alerts of the same group) ----
@@ -464,7 +475,7 @@ ALERTS: tuple[Alert, ...] = (
           "{{ range $i, $s := printf `rank:rankscope_rank_up:lost{run=\"%s\",instance=\"%s\"}` $labels.run "
           "$labels.instance | query | sortByLabel \"rank\" }}{{ if $i }}, {{ end }}{{ $s.Labels.rank }}{{ end }}."),
     Alert("RankscopeHangSuspect",
-          HANG_SUSPECT,
+          HANG_SUSPECT_RECORD,
           "critical",
           "Run {{ $labels.run }} hangs; suspect rank {{ $labels.rank }} on node {{ $labels.node }}",
           "In " + WHO + ", no step for {{ $value | humanizeDuration }} and the rank is outside any collective "
@@ -499,7 +510,7 @@ ALERTS: tuple[Alert, ...] = (
     # The victims of a dead, lost, hung or frozen rank stall too: the cause's own
     # alert pages for the run, this one only when no cause is known.
     Alert("RankscopeRunStalled",
-          "(\n  " + _indent(STALLED) + "\n)\n"
+          STALLED_RECORD + "\n"
           f"unless on (run) run:rankscope_cause:present{{cause=~\"{STALL_CAUSES}\"}}",
           "critical",
           "Run {{ $labels.run }} stalled: rank {{ $labels.rank }} completed no step",
@@ -692,24 +703,30 @@ def _cause(name: str) -> str:
 
 
 RULE_GROUPS: tuple[Group, ...] = (
-    # Per-rank step and phase records, which the bottleneck alerts read, and the
-    # causes computed from them.
+    # Step time per rank and its run summaries; the run's step rate (ThroughputDrop).
     Group("rankscope.recording.steps", (
         "rank:rankscope_step_duration_seconds:mean",
+        "run:rankscope_step_duration_seconds:median",
+        "run:rankscope_step_duration_seconds:spread_ratio",
+        "run:rankscope_steps:rate",
+    )),
+    # Per-rank phase records, which the bottleneck alerts read, and the causes
+    # computed from them.
+    Group("rankscope.recording.phases", (
+        "rank:rankscope_steps:warming_up",
         "rank_phase:rankscope_phase_seconds:fraction",
         "rank:rankscope_phase_seconds:compute_per_step",
         "run:rankscope_phase_seconds:compute_per_step_peer_median",
         "rank:rankscope_phase_seconds:compute_per_step_peer_ratio",
-        "rank:rankscope_steps:warming_up",
-        "run:rankscope_steps:rate",
         _cause("straggler"),
         _cause("input_bound"),
     )),
+    # The step-time p90 from every rank's histogram buckets (18 series per rank).
+    Group("rankscope.recording.step_histogram", (
+        "run:rankscope_step_duration_seconds:p90",
+    )),
     # Read by dashboards only (and annotations): run-wide summaries.
     Group("rankscope.recording.summaries", (
-        "run:rankscope_step_duration_seconds:median",
-        "run:rankscope_step_duration_seconds:spread_ratio",
-        "run:rankscope_step_duration_seconds:p90",
         "run_phase:rankscope_phase_seconds:fraction_avg",
         "run:rankscope_phase_seconds:compute_per_step_median",
         "run:rankscope_samples:rate",
@@ -725,7 +742,7 @@ RULE_GROUPS: tuple[Group, ...] = (
         "rank:rankscope_device_memory:headroom_ratio",
         "rank:rankscope_host_memory:headroom_ratio",
     )),
-    # Dead, lost, frozen and stalled ranks: the records and causes of the liveness alerts.
+    # Dead, lost and frozen ranks: the records and causes of the liveness alerts.
     Group("rankscope.recording.liveness", (
         "rank:rankscope_rank_up:lost",
         "run:rankscope_ranks:torn_down",
@@ -733,16 +750,22 @@ RULE_GROUPS: tuple[Group, ...] = (
         _cause("rank_down"),
         _cause("node_lost"),
         _cause("frozen"),
-        _cause("stalled"),
     )),
-    # Hangs: every process group's front and waits (dashboards, annotations), the hang cause.
-    Group("rankscope.recording.hangs", (
+    # Every process group's front and waits (dashboards, annotations).
+    Group("rankscope.recording.process_groups", (
         "rank_group_op:rankscope_process_group_in_flight:seconds",
         "group:rankscope_process_group_last_enqueued_seq:max",
         "group:rankscope_process_group_in_flight:max_seconds",
-        _cause("hang_suspect"),
     )),
     # ---- alert groups (alerts.yml) ----
+    # The hang suspects, recorded once, then read in the same evaluation by the
+    # hang_suspect cause and by HangSuspect. First of the alert groups, as the next
+    # one: their causes are read by the alerts of the groups after them.
+    Group("rankscope.alerts.hangs", (
+        HANG_SUSPECT_RECORD,
+        _cause("hang_suspect"),
+        "RankscopeHangSuspect",
+    )),
     # The ranks behind their process group's front, recorded once, then read in the
     # same evaluation by the collective_behind cause and by CollectiveBehind, which so
     # pages one scrape and one evaluation after the peers' wait crosses its bar. First
@@ -757,12 +780,13 @@ RULE_GROUPS: tuple[Group, ...] = (
         "RankscopeNodeLost",
         "RankscopeRankFrozen",
         "RankscopeTargetDown",
-        "RankscopeRunStalled",
     )),
-    # HangSuspect reads the raw series, not the hang cause: it pages one scrape and
-    # one evaluation after the crossing.
-    Group("rankscope.alerts.hangs", (
-        "RankscopeHangSuspect",
+    # Ranks stalled with no known cause: the stalled ranks recorded once, then the
+    # stalled cause and RunStalled read them in the same evaluation.
+    Group("rankscope.alerts.stalls", (
+        STALLED_RECORD,
+        _cause("stalled"),
+        "RankscopeRunStalled",
     )),
     Group("rankscope.alerts.events", (
         "RankscopeNonFiniteLoss",
