@@ -81,7 +81,7 @@ def main(paths: list[str]) -> int:
         cpu_text = (f"{r['prometheus_cpu_cores_median']:.2f}" if "prometheus_cpu_cores_median" in r else "-")
         if cpu:
             cpu_text += (f"; {cpu['with_rules']['cores']:.2f} with rules, {cpu['without_rules']['cores']:.2f} "
-                         f"without (1 min each)")
+                         f"without ({cpu['with_rules']['seconds']:.0f} s each)")
         print(f"| {r['file']} | {r['nodes']} x 8 = {r['ranks']} | {r['head_series']:,.0f} | {r['samples_per_second']:,.0f} "
               f"| {r['rss_bytes'] / 2**30:.2f} GiB ({r['peak_rss_bytes'] / 2**30:.2f}) | {groups} "
               f"| {r['max_scrape_seconds']:.2f} s | {queries} | {faults} | {r['load_during'][0]:.1f} | {cpu_text} |")
