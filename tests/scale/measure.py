@@ -126,7 +126,7 @@ def record_evaluations(prom: PrometheusServer, into: dict) -> None:
             continue
         rules = sorted(g["rules"], key=lambda r: -r.get("evaluationTime", 0.0))[:3]
         into[(g["name"], at)] = {"group": g["name"], "at": at, "seconds": g.get("evaluationTime", 0.0),
-                                 "load": os.getloadavg()[0],
+                                 "load": os.getloadavg()[0], "read_at": time.time(),
                                  "slowest": [[r.get("name"), r.get("evaluationTime", 0.0)] for r in rules]}
 
 
@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"rss={one(m, 'process_resident_memory_bytes') / 2**30:.2f}GiB load={os.getloadavg()[0]:.1f} "
                   f"pages={ {k: sorted(v) for k, v in named.items()} }", flush=True)
             if all(want[k] in named[k] for k in want):
+                report["all_paged_at"] = time.time()
                 break
         # Let the rules run a few more rounds at full size before reading their durations.
         for _ in range(args.extra_rounds):
@@ -251,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
             for g in report["rule_groups"]
             for v in [[e["seconds"] for e in evaluations.values() if e["group"] == g]
                       or [x[g] for x in group_samples if x.get(g)]] if v}
+        after = [e for e in evaluations.values() if e["read_at"] >= report.get("all_paged_at", float("inf"))]
+        report["rule_group_stats_after_pages"] = {
+            g: {"median_s": statistics.median(v), "max_s": max(v), "samples": len(v),
+                "interval_s": report["rule_group_intervals"].get(g, INTERVAL_S)}
+            for g in report["rule_groups"] for v in [[e["seconds"] for e in after if e["group"] == g]] if v}
         report["prometheus_cpu_samples"] = cpu_samples
         if cpu_samples:
             report["prometheus_cpu_cores_median"] = statistics.median(c["cores"] for c in cpu_samples)

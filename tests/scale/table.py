@@ -37,7 +37,7 @@ def short(group: str) -> str:
     return group.removeprefix("rankscope.")
 
 
-def group_stats(r: dict) -> list[dict]:
+def group_stats(r: dict, key: str = "rule_group_stats") -> list[dict]:
     """Each rule group's evaluations: median and max seconds, against its own interval.
 
     From the unique evaluations where the run recorded them, else from the readings of
@@ -46,7 +46,10 @@ def group_stats(r: dict) -> list[dict]:
     out = []
     for name, last in sorted(r["rule_groups"].items()):
         iv = intervals.get(name, r["interval_s"])
-        st = r.get("rule_group_stats", {}).get(name, {"median_s": last, "max_s": last, "samples": 1})
+        st = r.get(key, {}).get(name)
+        if st is None and key != "rule_group_stats":
+            continue
+        st = st or {"median_s": last, "max_s": last, "samples": 1}
         out.append({"group": name, "interval": iv, "n": st["samples"], "median_s": st["median_s"],
                     "max_s": st["max_s"], "median_pct": 100 * st["median_s"] / iv, "max_pct": 100 * st["max_s"] / iv})
     return out
@@ -89,11 +92,17 @@ def main(paths: list[str]) -> int:
         print()
         print(f"{r['file']}: every rule group, seconds per evaluation (% of its interval)")
         print()
-        print("| group | interval | evaluations | median | max | missed iterations |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        after = {g["group"]: g for g in group_stats(r, "rule_group_stats_after_pages")}
+        print("| group | interval | evaluations | median | max | after the pages: evaluations, median, max "
+              "| missed iterations |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for g in group_stats(r):
+            a = after.get(g["group"])
+            tail = (f"{a['n']}, {a['median_s']:.2f} s ({a['median_pct']:.0f}%), {a['max_s']:.2f} s ({a['max_pct']:.0f}%)"
+                    if a and "rule_group_stats_after_pages" in r else "-")
             print(f"| {g['group']} | {g['interval']:.0f} s | {g['n']} | {g['median_s']:.2f} s ({g['median_pct']:.0f}%) "
-                  f"| {g['max_s']:.2f} s ({g['max_pct']:.0f}%) | {r.get('missed_iterations', {}).get(g['group'], 0):.0f} |")
+                  f"| {g['max_s']:.2f} s ({g['max_pct']:.0f}%) | {tail} "
+                  f"| {r.get('missed_iterations', {}).get(g['group'], 0):.0f} |")
     print()
     for r in rows:
         print(f"{r['file']}, slowest rules: " + ", ".join(
