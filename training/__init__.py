@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Monitor", "MonitorConfig", "ConfigError", "UsageError", "__version__"]
+__all__ = ["Monitor", "MonitorConfig", "FlopsConfig", "ConfigError", "UsageError", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,6 +23,10 @@ def __getattr__(name: str) -> Any:
         from rankscope.config import MonitorConfig
 
         return MonitorConfig
+    if name == "FlopsConfig":
+        from rankscope.flops import FlopsConfig
+
+        return FlopsConfig
     if name == "ConfigError":
         from rankscope.contract.environment import ConfigError
 
