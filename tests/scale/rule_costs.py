@@ -107,6 +107,25 @@ def observe(prom: PrometheusServer, seconds: float) -> dict:
             "head_series": one(m1, "prometheus_tsdb_head_series")}
 
 
+def query_stats(prom: PrometheusServer, files: list[Path]) -> dict[str, dict]:
+    """Each rule's expression run once as an instant query with ``stats=all``: the samples it
+    reads (totalQueryableSamples, a cost that does not depend on the machine's load) and the
+    peak number of samples held at once."""
+    import yaml
+    out = {}
+    t = time.time()
+    for f in files:
+        for g in yaml.safe_load(f.read_text())["groups"]:
+            for rule in g["rules"]:
+                key = rule_key({"name": rule.get("record") or rule.get("alert"), "labels": rule.get("labels")})
+                data = api(prom, "query", query=rule["expr"], time=str(t), stats="all")
+                st = data.get("stats", {})
+                out[key] = {"group": g["name"], "samples": st.get("samples", {}).get("totalQueryableSamples"),
+                            "peak_samples": st.get("samples", {}).get("peakSamples"),
+                            "eval_s": st.get("timings", {}).get("evalTotalTime")}
+    return out
+
+
 def summarise(phases: list[dict]) -> dict:
     """Per variant: each group's median/max evaluation time (and % of its interval), each rule's median."""
     out: dict[str, dict] = {}
@@ -141,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="15 s evaluations observed per phase")
     ap.add_argument("--warmup", type=float, default=150.0, help="seconds of scraping before the first phase")
     ap.add_argument("--fault-after", type=float, default=60.0, help="the NaN and the hang start this late")
+    ap.add_argument("--query-stats", action="store_true",
+                    help="at the end, run every variant's rule expressions once with stats=all (samples read)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -188,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{ph['prometheus_cpu_cores']:.2f} cores, groups "
                       + ", ".join(f"{g} {statistics.median(s):.2f}s/{len(s)}" for g, s in sorted(groups.items())),
                       flush=True)
+        if args.query_stats:
+            report["query_stats"] = {name: query_stats(prom, files) for name, files in variants.items()}
     report["summary"] = summarise(report["phases"])
     text = json.dumps(report, indent=1)
     if args.out:
@@ -201,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                   f" max {s['max_s']:.2f} s ({s['max_pct']:.0f}%), n={s['n']}")
         for r, s in sorted(v["rules"].items(), key=lambda kv: -kv[1]["median_s"])[:15]:
             print(f"  {s['median_s']:.3f} s  {r} ({s['group']})")
+    for name, stats in report.get("query_stats", {}).items():
+        print(f"== {name}: samples read per evaluation of every rule, {sum(x['samples'] or 0 for x in stats.values()):,}")
+        for r, x in sorted(stats.items(), key=lambda kv: -(kv[1]["samples"] or 0))[:15]:
+            print(f"  {x['samples']:>10,}  {r} ({x['group']})")
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
