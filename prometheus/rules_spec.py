@@ -710,15 +710,20 @@ RULE_GROUPS: tuple[Group, ...] = (
         "run:rankscope_step_duration_seconds:spread_ratio",
         "run:rankscope_steps:rate",
     )),
-    # Per-rank phase records, which the bottleneck alerts read, and the causes
-    # computed from them.
+    # Warm-up and compute per step against the peers (the straggler's records), and
+    # the straggler cause computed from them.
     Group("rankscope.recording.phases", (
         "rank:rankscope_steps:warming_up",
-        "rank_phase:rankscope_phase_seconds:fraction",
         "rank:rankscope_phase_seconds:compute_per_step",
         "run:rankscope_phase_seconds:compute_per_step_peer_median",
         "rank:rankscope_phase_seconds:compute_per_step_peer_ratio",
         _cause("straggler"),
+    )),
+    # Each phase's share of the step (InputBound, CommunicationBound) and the
+    # input_bound cause; the cause reads the warm-up record of the group above as
+    # of its last evaluation (it changes once, at a launch's start).
+    Group("rankscope.recording.phase_fractions", (
+        "rank_phase:rankscope_phase_seconds:fraction",
         _cause("input_bound"),
     )),
     # The step-time p90 from every rank's histogram buckets (18 series per rank).
@@ -788,11 +793,14 @@ RULE_GROUPS: tuple[Group, ...] = (
         _cause("stalled"),
         "RankscopeRunStalled",
     )),
-    Group("rankscope.alerts.events", (
+    # Counted events and memory: no rule here reads a record or another rule of its group.
+    Group("rankscope.alerts.training", (
         "RankscopeNonFiniteLoss",
-        "RankscopeOutOfMemory",
         "RankscopeLossSpikes",
         "RankscopeGradNormExplosion",
+    )),
+    Group("rankscope.alerts.memory", (
+        "RankscopeOutOfMemory",
         "RankscopeAllocRetriesRising",
         "RankscopeMemoryHeadroomLow",
         "RankscopeExporterCollectorFailing",
