@@ -51,6 +51,11 @@ def new_events(metric: str, window: str, at_least: str = "1") -> str:
 # costliest part of three alerts at 1,024 nodes (docs/scaling.md).
 GPU_RANK_LIVE = "uuid:rankscope_rank_info:live"                # a live rank (rankscope_rank_up 1)
 GPU_RANK_PROGRESSING = "uuid:rankscope_rank_info:progressing"  # a rank that trains (state progressing)
+# What the GPU alerts report, recorded once in the same group before them: each alert
+# reads its expression twice (joined to the rank map, and alone for a GPU no rank
+# uses), and the raw expressions read every GPU's counters or throttle reasons.
+GPU_ERRORS_NEW = "uuid_error:rankscope_gpu_errors:new"                  # new XID / uncorrected ECC errors
+GPU_THROTTLED_NOW = "uuid_reason:rankscope_gpu_throttled:active"        # throttled for a paging reason
 
 
 def gpu_rank_map(rank_filter: str) -> str:
@@ -406,6 +411,13 @@ RECORDING_RULES: tuple[Record, ...] = (
     # ---- the rank using each GPU (read by the GPU alerts of the same group) ----
     Record(GPU_RANK_LIVE, gpu_rank_map("rankscope_rank_up{SEL} == 1")),
     Record(GPU_RANK_PROGRESSING, gpu_rank_map("rankscope_rank_state{SEL,state=\"progressing\"} == 1")),
+    # ---- what the GPU alerts report (read by them, in the same group) ----
+    Record(GPU_ERRORS_NEW,
+           "label_replace(" + new_events("rankscope_gpu_xid_errors_total{SEL}", "<<gpu_error_window>>")
+           + ", \"error\", \"xid\", \"\", \"\")\nor label_replace("
+           + new_events("rankscope_gpu_ecc_errors_total{SEL,type=\"uncorrected\"}", "<<gpu_error_window>>")
+           + ", \"error\", \"ecc_uncorrected\", \"\", \"\")"),
+    Record(GPU_THROTTLED_NOW, "rankscope_gpu_throttled{SEL,reason=~\"<<gpu_throttle_reasons>>\"} == 1"),
 )
 
 
@@ -643,16 +655,12 @@ ALERTS: tuple[Alert, ...] = (
           GPU_WHO + " was busy only {{ $value | humanizePercentage }} of the last <<gpu_util_window>> "
                     "while the rank trains."),
     Alert("RankscopeGPUErrors",
-          with_rank_of_gpu(
-              "label_replace(" + new_events("rankscope_gpu_xid_errors_total{SEL}", "<<gpu_error_window>>")
-              + ", \"error\", \"xid\", \"\", \"\")\nor label_replace("
-              + new_events("rankscope_gpu_ecc_errors_total{SEL,type=\"uncorrected\"}", "<<gpu_error_window>>")
-              + ", \"error\", \"ecc_uncorrected\", \"\", \"\")"),
+          with_rank_of_gpu(GPU_ERRORS_NEW),
           "critical",
           "GPU {{ $labels.error }} errors on node {{ $labels.node }} GPU {{ $labels.gpu }}",
           GPU_WHO + " reported {{ $value }} {{ $labels.error }} error(s) in the last <<gpu_error_window>>."),
     Alert("RankscopeGPUThrottled",
-          with_rank_of_gpu("rankscope_gpu_throttled{SEL,reason=~\"<<gpu_throttle_reasons>>\"} == 1"),
+          with_rank_of_gpu(GPU_THROTTLED_NOW),
           "warning",
           "GPU {{ $labels.gpu }} on node {{ $labels.node }} throttled ({{ $labels.reason }})",
           GPU_WHO + " runs at reduced clocks because of {{ $labels.reason }}."),
@@ -678,7 +686,8 @@ ALERTS: tuple[Alert, ...] = (
 # (alerts.yml): an alert reads another group's record one evaluation late at most,
 # as it did when all records were one group and all alerts another, and promtool
 # (tests list this order as group_eval_order) evaluates them in this order at each
-# step. The GPU alerts' rank map is the only record in an alert group: only they read it.
+# step. The GPU alerts' rank map and what they report are the only records in an alert
+# group: only they read them.
 
 
 @dataclass(frozen=True)
@@ -687,7 +696,8 @@ class Group:
     # Record names (a cause record as run:rankscope_cause:present{<cause>}) and alert names, in order.
     rules: tuple[str, ...]
     # Evaluated every slow_rule_interval (thresholds.yaml) instead of rule_interval: only
-    # warnings over long windows with long `for:`, where a minute more latency is noise.
+    # warnings over long windows with long `for:`, where a minute more latency is noise,
+    # and records no alert's expression reads.
     slow: bool = False
 
 
@@ -726,10 +736,14 @@ RULE_GROUPS: tuple[Group, ...] = (
         "rank_phase:rankscope_phase_seconds:fraction",
         _cause("input_bound"),
     )),
-    # The step-time p90 from every rank's histogram buckets (18 series per rank).
-    Group("rankscope.recording.step_histogram", (
+    # Summaries that no alert's expression reads, every minute: the step-time p90
+    # from every rank's histogram buckets (18 series per rank, a fifth of the samples
+    # the rules read) and each goodput category's share (dashboards; GoodputLow's
+    # description names the largest).
+    Group("rankscope.recording.slow", (
         "run:rankscope_step_duration_seconds:p90",
-    )),
+        "run_category:rankscope_wall_seconds:ratio",
+    ), slow=True),
     # Read by dashboards only (and annotations): run-wide summaries.
     Group("rankscope.recording.summaries", (
         "run_phase:rankscope_phase_seconds:fraction_avg",
@@ -743,7 +757,6 @@ RULE_GROUPS: tuple[Group, ...] = (
     Group("rankscope.recording.goodput_memory", (
         "rank:rankscope_goodput:ratio",
         "run:rankscope_goodput:ratio",
-        "run_category:rankscope_wall_seconds:ratio",
         "rank:rankscope_device_memory:headroom_ratio",
         "rank:rankscope_host_memory:headroom_ratio",
     )),
@@ -814,6 +827,8 @@ RULE_GROUPS: tuple[Group, ...] = (
     )),
     Group("rankscope.alerts.gpu", (
         GPU_RANK_LIVE,
+        GPU_ERRORS_NEW,
+        GPU_THROTTLED_NOW,
         "RankscopeGPUErrors",
         "RankscopeGPUThrottled",
     )),
