@@ -351,3 +351,67 @@ def test_slow_steps_are_traced_above_a_floor(tmp_path, monkeypatch):
     preempted = {i for i, t in enumerate(took) if i > 0 and t >= 0.00095 and durations[i] < 0.001}
     judged = {step: anomaly for step, anomaly in roots.items() if step not in preempted}
     assert judged == {0: "", durations.index(0.0015): "slow_step"}, (roots, sorted(preempted))
+
+
+# -- the span process (rankscope.span_process) ------------------------------------------
+
+def test_spans_are_built_in_a_child_process_that_carries_the_ranks_pid():
+    """The rank pickles records to its span process; the spans name the rank's pid, not the child's."""
+    import os
+
+    with OtlpReceiver() as receiver:
+        tracing = tracing_for(receiver.endpoint)
+        try:
+            assert tracing.proc.pid != os.getpid() and tracing.proc.poll() is None
+            tracing.submit(record(0))
+            spans = receiver.wait_for_spans(lambda s: len(s) >= count_spans(record(0)), timeout=20)
+        finally:
+            tracing.shutdown(2.0)
+    assert {s.resource["process.pid"] for s in spans} == {os.getpid()}
+    assert tracing.proc.poll() == 0, "the span process exits once the rank shuts tracing down"
+    assert tracing.dropped() == 0
+
+
+def test_a_killed_span_process_loses_nothing_silently():
+    """Spans sent to a child that dies, and spans submitted after, all count as dropped."""
+    with OtlpReceiver() as receiver:
+        tracing = tracing_for(receiver.endpoint)
+        submitted = 0
+        for step in range(5):
+            tracing.submit(record(step))
+            submitted += count_spans(record(step))
+        receiver.wait_for_spans(lambda s: len(s) == submitted, timeout=20)
+        # What the child delivered after its last report would count as dropped (over,
+        # never under); wait for the report so that the sum below is exact.
+        deadline = time.monotonic() + 10
+        while tracing.delivered() < submitted and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tracing.proc.kill()
+        tracing.proc.wait(timeout=10)
+        for step in range(5, 40):
+            tracing.submit(record(step))
+            submitted += count_spans(record(step))
+        tracing.shutdown(2.0)
+        received = len(receiver.spans())
+    assert tracing.dropped() >= submitted - received > 0
+    assert received + tracing.dropped() == submitted
+
+
+def test_span_process_start_failure_is_reported_and_counted(tmp_path, monkeypatch):
+    """A span process that cannot start tracing says why (an error counted on the rank); its spans are dropped."""
+    # The child imports what this process would import: put a broken OpenTelemetry SDK first on its path.
+    broken = tmp_path / "opentelemetry" / "sdk"
+    broken.mkdir(parents=True)
+    (broken.parent / "__init__.py").write_text("")
+    (broken / "__init__.py").write_text("raise ImportError('broken on purpose')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    errors: list[int] = []
+    tracing = tracing_for("http://127.0.0.1:1", errors=errors)
+    assert tracing.proc.wait(timeout=30) == 1
+    deadline = time.monotonic() + 10
+    while not errors and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert errors == [1]
+    tracing.submit(record(0))
+    tracing.shutdown(1.0)
+    assert tracing.dropped() == count_spans(record(0))

@@ -6,9 +6,11 @@ anomalous. Spans are built after the fact, with the recorded timestamps, off
 the training thread. With no endpoint configured, tracing is off and costs a
 single boolean test per step.
 
-Data flow of an enabled tracer::
+An enabled tracer runs in a child process of the rank (rankscope.span_process:
+the rank only pickles each traced step's record onto a pipe, so building and
+encoding spans never holds the rank's GIL). Data flow inside that process::
 
-    training thread            span worker thread             BSP worker thread
+    reader (records from the rank)  span worker thread           BSP worker thread
     submit(record) ──► bounded record queue ──► build spans ──► BatchSpanProcessor
                        (full: drop, count)     (room check:      queue ──► exporter
                                                 no room: drop,            (failures
@@ -16,8 +18,8 @@ Data flow of an enabled tracer::
 
 Why each piece:
 
-* The training thread only puts a small ``StepRecord`` (floats, ints, short
-  strings) on a bounded queue: no span objects, no SDK locks, no network.
+* The rank only hands over a small ``StepRecord`` (floats, ints, short
+  strings): no span objects, no SDK locks, no network.
 * One worker thread builds every span, so the trace id of the step being
   emitted can be handed to the ``IdGenerator`` through a plain attribute: the
   trace id of a step is ``sha256(run/step)[:16]``, the same on every rank, so
@@ -244,7 +246,9 @@ def build_tracing(identity: RankIdentity, on_error: Callable[[], None],
     config = TracingConfig.from_env(env)
     if config is None:
         return Tracing()
-    return OtlpTracing(identity, config, on_error, env)
+    from rankscope.span_process import SpanProcessTracing
+
+    return SpanProcessTracing(identity, config, on_error, env)
 
 
 def count_spans(record: StepRecord) -> int:
@@ -255,7 +259,9 @@ class OtlpTracing(Tracing):
     enabled = True
 
     def __init__(self, identity: RankIdentity, config: TracingConfig, on_error: Callable[[], None],
-                 env: Mapping[str, str]):
+                 env: Mapping[str, str], resource: Mapping[str, str | int] | None = None):
+        """``resource``: the rank's resource attributes, when this runs in another
+        process than the rank's (rankscope.span_process): process.pid is the rank's."""
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.trace import set_span_in_context
@@ -278,7 +284,8 @@ class OtlpTracing(Tracing):
         name = env.get("OTEL_SERVICE_NAME") or Resource.create({}).attributes.get("service.name", "")
         if not name or str(name).startswith("unknown_service"):
             name = DEFAULT_SERVICE_NAME   # neither OTEL_SERVICE_NAME nor OTEL_RESOURCE_ATTRIBUTES named one
-        resource = Resource.create({**resource_attributes(identity, env), "service.name": name})
+        attributes = resource_attributes(identity, env) if resource is None else dict(resource)
+        resource = Resource.create({**attributes, "service.name": name})
         # shutdown_on_exit=False: the SDK's atexit handler waits up to 30 s on a
         # dead collector; ``shutdown`` below is bounded instead.
         self.provider = TracerProvider(resource=resource, id_generator=self._ids, shutdown_on_exit=False)

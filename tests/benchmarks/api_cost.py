@@ -170,9 +170,12 @@ def gil_holds(monitor) -> dict[str, dict[str, float]]:
     """The longest stretch each background thread ran between two GIL releases (rankscope.holds)."""
     holds = {"publisher (publish)": monitor.publisher.hold, "publisher (absorb slice)": monitor.accounting.hold}
     if monitor.tracing.enabled:
-        holds["span worker"] = monitor.tracing.hold
-        holds["OTel batch export"] = monitor.tracing.exporter.hold
-    return {name: hold.as_dict() for name, hold in holds.items()}
+        holds["span sender (pickles a record)"] = monitor.tracing.hold
+    result = {name: hold.as_dict() for name, hold in holds.items()}
+    if monitor.tracing.enabled:   # spans are built and exported in the rank's span process (rankscope.span_process)
+        result.update({f"span process: {name} (its own GIL)": hold
+                       for name, hold in monitor.tracing.child_holds().items()})
+    return result
 
 
 def _median_us(values: list[float]) -> float:
