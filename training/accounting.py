@@ -254,6 +254,11 @@ class StepAccounting:
             acc_wall = self._acc.wall
             for k, v in wall.items():
                 acc_wall[k] = acc_wall.get(k, 0.0) + v
+        self.hold.stop()
+        # Its own stretch: a file write and a rename, whose system calls let the GIL go
+        # but count in this thread's CPU time.
+        time.sleep(GIL_YIELD_S)
+        self.hold.start()
         self._progress.save(self._time_use.highest_step)
         self.hold.stop()
 
