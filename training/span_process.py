@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import pickle
-import queue
 import signal
 import subprocess
 import sys
@@ -41,8 +40,7 @@ from typing import IO, Callable, Mapping
 from rankscope.holds import LongestHold
 from rankscope.identity import RankIdentity
 from rankscope.records import StepRecord
-from rankscope.tracing import (RECORD_QUEUE_SIZE, OtlpTracing, Tracing, TracingConfig, count_spans,
-                               resource_attributes)
+from rankscope.tracing import OtlpTracing, QueuedTracing, TracingConfig, count_spans, resource_attributes
 
 log = logging.getLogger("rankscope")
 
@@ -50,21 +48,16 @@ REPORT_EVERY_S = 0.2           # the child's counts reach the rank at most this 
 DEFAULT_CHILD_SHUTDOWN_S = 2.0  # a child whose rank vanished without a shutdown message
 
 
-class SpanProcessTracing(Tracing):
+class SpanProcessTracing(QueuedTracing):
     """The rank's side: hands records to the span process, never blocks, counts what it cannot hand over."""
-
-    enabled = True
 
     def __init__(self, identity: RankIdentity, config: TracingConfig, on_error: Callable[[], None],
                  env: Mapping[str, str]):
-        self._every = config.every
+        super().__init__(config.every)   # self._dropped: spans never handed to the child (also: child gone)
         self._on_error = on_error
-        self._records: queue.Queue[StepRecord | None] = queue.Queue(RECORD_QUEUE_SIZE)
-        self._dropped_here = 0     # spans never handed to the child (queue full, closing, child gone)
         self._sent = 0             # spans written whole to the child's pipe
         self._report: dict = {}    # the child's latest counts
         self._final = threading.Event()
-        self._closing = False
         self._child_gone = False
         self.hold = LongestHold()  # the sender's longest stretch: pickling one record
         # The child inherits this process's environment (the OTLP exporter reads its own
@@ -83,19 +76,8 @@ class SpanProcessTracing(Tracing):
         self._sender.start()
         self._reader.start()
 
-    # -- the caller's thread ------------------------------------------------------------
-    def sampled(self, step: int) -> bool:
-        return step % self._every == 0
-
-    def submit(self, record: StepRecord) -> None:
-        """O(1), never blocks: a full queue drops the record and counts its spans."""
-        if self._closing or self._child_gone:
-            self._dropped_here += count_spans(record)
-            return
-        try:
-            self._records.put_nowait(record)
-        except queue.Full:
-            self._dropped_here += count_spans(record)
+    def _accepting(self) -> bool:
+        return not (self._closing or self._child_gone)
 
     def dropped(self) -> int:
         """Spans dropped or failed so far: those not handed over, plus the child's count.
@@ -105,11 +87,11 @@ class SpanProcessTracing(Tracing):
         report = self._report
         if self._child_gone and not self._final.is_set():
             # Spans delivered after the child's last report count too: over, never under.
-            return self._dropped_here + self._sent - report.get("delivered", 0)
+            return self._dropped + self._sent - report.get("delivered", 0)
         # After the final report, spans the child never read (none, unless it was
         # killed mid-read) count too.
         unread = self._sent - report.get("received", 0) if self._final.is_set() else 0
-        return self._dropped_here + report.get("dropped", 0) + unread
+        return self._dropped + report.get("dropped", 0) + unread
 
     def delivered(self) -> int:
         """Spans the child has reported exported (its reports come every REPORT_EVERY_S)."""
@@ -126,7 +108,7 @@ class SpanProcessTracing(Tracing):
             if record is None:
                 return
             if self._child_gone:
-                self._dropped_here += count_spans(record)
+                self._dropped += count_spans(record)
                 continue
             self.hold.start()
             data = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
@@ -134,7 +116,7 @@ class SpanProcessTracing(Tracing):
             if self._write(data):
                 self._sent += count_spans(record)
             else:
-                self._dropped_here += count_spans(record)
+                self._dropped += count_spans(record)
 
     def _write(self, data: bytes) -> bool:
         try:
@@ -173,11 +155,7 @@ class SpanProcessTracing(Tracing):
         if self._closing:
             return
         deadline = time.monotonic() + timeout_s
-        self._closing = True
-        try:
-            self._records.put_nowait(None)
-        except queue.Full:   # the sender is behind: what it has not sent by the deadline is dropped
-            threading.Thread(target=self._records.put, args=(None,), daemon=True).start()
+        self._close_queue()   # the sender is behind: what it has not sent by the deadline is dropped
         self._sender.join(timeout=max(0.0, (deadline - time.monotonic()) * 0.5))
         if self._sender.is_alive():
             # Records still queued will never be sent: count them now, once.
@@ -199,13 +177,7 @@ class SpanProcessTracing(Tracing):
             self.proc.kill()
             self.proc.wait()
         self._child_gone = True
-        while True:
-            try:
-                record = self._records.get_nowait()
-            except queue.Empty:
-                break
-            if record is not None:
-                self._dropped_here += count_spans(record)
+        self._drop_queued()
 
 
 # -- the child ---------------------------------------------------------------------------

@@ -255,9 +255,57 @@ def count_spans(record: StepRecord) -> int:
     return 1 + len(record.phases) + len(record.collectives)
 
 
-class OtlpTracing(Tracing):
+class QueuedTracing(Tracing):
+    """An enabled tracer's side on the training thread: the sampling test and a
+    bounded hand-off of records that never blocks; what does not fit is dropped
+    and counted. A consumer thread takes the records until the ``None`` marker."""
+
     enabled = True
 
+    def __init__(self, every: int):
+        self._every = every
+        self._records: queue.Queue[StepRecord | None] = queue.Queue(RECORD_QUEUE_SIZE)
+        self._dropped = 0       # spans of records never handed on (queue full, closing)
+        self._closing = False
+
+    def _accepting(self) -> bool:
+        return not self._closing
+
+    # -- training thread ------------------------------------------------------------
+    def sampled(self, step: int) -> bool:
+        return step % self._every == 0
+
+    def submit(self, record: StepRecord) -> None:
+        """O(1), never blocks: a full queue drops the record and counts its spans."""
+        if not self._accepting():
+            self._dropped += count_spans(record)
+            return
+        try:
+            self._records.put_nowait(record)
+        except queue.Full:
+            self._dropped += count_spans(record)
+
+    # -- shutdown -------------------------------------------------------------------
+    def _close_queue(self) -> None:
+        """No more records; the consumer stops at the marker, after what is queued."""
+        self._closing = True
+        try:
+            self._records.put_nowait(None)
+        except queue.Full:  # the consumer is behind: let it finish what fits before the deadline
+            threading.Thread(target=self._records.put, args=(None,), daemon=True).start()
+
+    def _drop_queued(self) -> None:
+        """Counts the records the consumer will never take (the deadline passed)."""
+        while True:
+            try:
+                record = self._records.get_nowait()
+            except queue.Empty:
+                return
+            if record is not None:
+                self._dropped += count_spans(record)
+
+
+class OtlpTracing(QueuedTracing):
     def __init__(self, identity: RankIdentity, config: TracingConfig, on_error: Callable[[], None],
                  env: Mapping[str, str], resource: Mapping[str, str | int] | None = None):
         """``resource``: the rank's resource attributes, when this runs in another
@@ -266,14 +314,11 @@ class OtlpTracing(Tracing):
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.trace import set_span_in_context
 
+        super().__init__(config.every)
         self.identity = identity
         self.config = config
         self._on_error = on_error
-        self._every = config.every
         self._set_span_in_context = set_span_in_context
-        self._records: queue.Queue[StepRecord | None] = queue.Queue(RECORD_QUEUE_SIZE)
-        self._dropped = 0          # spans of records that found the record queue full (training thread)
-        self._closing = False
         self._shut = False
         self._ids = StepIdGenerator()
         self.exporter = CountingExporter(_make_exporter(config))
@@ -294,20 +339,6 @@ class OtlpTracing(Tracing):
         self.hold = LongestHold()   # the longest span-building stretch of the worker
         self._worker = threading.Thread(target=self._work, name="rankscope-spans", daemon=True)
         self._worker.start()
-
-    # -- training thread ------------------------------------------------------------
-    def sampled(self, step: int) -> bool:
-        return step % self._every == 0
-
-    def submit(self, record: StepRecord) -> None:
-        """O(1), never blocks: a full queue drops the record and counts its spans."""
-        if self._closing:
-            self._dropped += count_spans(record)
-            return
-        try:
-            self._records.put_nowait(record)
-        except queue.Full:
-            self._dropped += count_spans(record)
 
     def dropped(self) -> int:
         # After shutdown, a span still queued or in an unfinished export will
@@ -367,11 +398,7 @@ class OtlpTracing(Tracing):
         if self._closing:
             return
         deadline = time.monotonic() + timeout_s
-        self._closing = True
-        try:
-            self._records.put_nowait(None)
-        except queue.Full:  # the worker is behind: let it finish what fits before the deadline
-            threading.Thread(target=self._records.put, args=(None,), daemon=True).start()
+        self._close_queue()
         self.exporter.deadline = deadline
         # Leave the last part of the budget for the SDK shutdown (export + close channel).
         self._worker.join(timeout=max(0.0, (deadline - time.monotonic()) * 0.5))
@@ -383,13 +410,7 @@ class OtlpTracing(Tracing):
         wait = deadline - time.monotonic() if self.exporter.last_ok else min(0.1, deadline - time.monotonic())
         closer.join(timeout=max(0.0, wait))
         self._shut = True   # from now on, spans still queued count as dropped
-        while True:
-            try:
-                record = self._records.get_nowait()
-            except queue.Empty:
-                break
-            if record is not None:
-                self._dropped += count_spans(record)
+        self._drop_queued()
 
     def _close_sdk(self) -> None:
         try:
