@@ -17,6 +17,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 import rankscope
 from rankscope import ConfigError, Monitor, UsageError
+from rankscope.collectives import EventPool
 from rankscope.device_reads import MAX_PENDING, DeviceReads, DeviceValue
 from tests.helpers.otlp_receiver import OtlpReceiver
 
@@ -62,6 +63,26 @@ def test_non_scalar_values_are_reduced_and_every_step_counts(monitor):
     assert got[("rankscope_grad_norm",)] == pytest.approx(5.0)     # sqrt(3² + 4²)
     assert got[("rankscope_learning_rate",)] == pytest.approx(0.1)  # the first param group
     assert got[("rankscope_telemetry_dropped_total", "value")] == 0
+
+
+def test_a_loss_still_in_the_autograd_graph_needs_no_detach(monitor):
+    """The README passes the loss as it is: a scalar or per-sample loss that requires grad,
+    observed before or after backward, is read right off the training thread."""
+    w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    with monitor.step() as step:
+        per_sample = w * 2.0                            # reduction="none": requires grad
+        step.observe(loss=per_sample)                   # before backward
+        per_sample.sum().backward()
+    with monitor.step() as step:
+        loss = (w * w).sum()                            # 14.0
+        loss.backward()
+        step.observe(loss=loss, grad_norm=w.grad.norm())   # after backward
+    got = published(monitor)
+    assert got[("rankscope_loss",)] == pytest.approx(14.0)
+    assert got[("rankscope_grad_norm",)] == pytest.approx(float((2 * torch.tensor([1.0, 2.0, 3.0]) + 2).norm()))
+    assert got[("rankscope_telemetry_dropped_total", "value")] == 0
+    assert got[("rankscope_telemetry_dropped_total", "value_modified")] == 0
+    assert got[("rankscope_steps_total",)] == 2
 
 
 @pytest.mark.parametrize("bad", ["0.5", {"loss": 1.0}, True, torch.tensor([]), [], torch.tensor([True, False])])
@@ -271,6 +292,31 @@ def test_dropped_step_durations_collectives_and_device_values_are_counted(monito
     assert drops == ["device_value", "device_value"]
 
 
+def test_device_values_give_their_pinned_buffer_and_event_back_once_read():
+    """A CUDA value is copied into a pinned buffer with an event after it; once read,
+    both are reused by the next steps instead of being allocated per step."""
+    class Event:
+        def __init__(self):
+            self.done = False
+
+        def query(self) -> bool:
+            return self.done
+
+    pool = EventPool(Event)
+    reads = DeviceReads(pool, on_drop=lambda what, reason: None)
+    first, second = torch.tensor(1.5), torch.tensor(2.5, dtype=torch.float64)
+    pending = [DeviceValue("loss", first, Event(), None), DeviceValue("grad", second, Event(), None)]
+    reads._values.extend(pending)
+    assert reads.ready_values() == []                 # the device is not done: nothing read, nothing reused
+    pending[0].ready.done = True
+    assert reads.ready_values() == [("loss", 1.5, None)]
+    assert reads._pinned(torch.float32) is first      # the same buffer for the next float32 value...
+    assert pool.get() is pending[0].ready             # ...and the same event
+    pending[1].ready.done = True
+    assert reads.ready_values() == [("grad", 2.5, None)]
+    assert reads._pinned(torch.float64) is second
+
+
 def test_publishes_never_overlap(monitor):
     """The OOM path and close() publish from the training thread; never inside the thread's own publish."""
     inside, most = [0], [0]
@@ -321,7 +367,10 @@ def test_a_cuda_anomaly_found_after_the_step_is_traced(tmp_path, monkeypatch):
             from rankscope.accounting import _context
 
             context = _context(step, 0.01)          # what the step leaves for a deferred CUDA value
-            m.accounting.device_value_ready(DeviceValue("loss", torch.tensor(math.nan), DoneEvent(), context))
+            reads = DeviceReads(EventPool(DoneEvent), on_drop=lambda what, reason: None)
+            reads._values.append(DeviceValue("loss", torch.tensor(math.nan), DoneEvent(), context))
+            for what, number, deferred_step in reads.ready_values():
+                m.accounting.device_value_ready(what, number, deferred_step)
         finally:
             m.close()
         receiver.wait_for_spans(lambda s: any(x.attributes.get(ATTR_ANOMALY) for x in s), timeout=10)

@@ -31,7 +31,7 @@ from rankscope.records import PhaseRecord, StepRecord
 MAX_PENDING_STEPS = 10_000   # step durations buffered between two publishes
 SLOW_STEP_FACTOR = 3.0       # a step this many times the running median is traced as an anomaly
 SLOW_STEP_FLOOR_S = 0.001    # ...if it took at least this long: µs-scale steps jitter by more than 3x
-ABSORB_SLICE_S = 0.0005      # the publisher works through ended steps in slices this long...
+ABSORB_SLICE_S = 0.0003      # the publisher works through ended steps in slices this long...
 GIL_YIELD_S = 0.0001         # ...sleeping this long between them (the GIL is free meanwhile)
 HUNG_AFTER_S = 30.0          # a step open this long, and HUNG_FACTOR times the running median step,
 HUNG_FACTOR = 10.0           # counts as idle (hung) from its start on, for goodput
@@ -100,14 +100,13 @@ class StepAccounting:
     thread runs, the less the telemetry costs the step.
     """
 
-    def __init__(self, judge: JudgeSettings, comm: Callable[[], Any], tracker: Any, tracing: Any,
+    def __init__(self, judge: JudgeSettings, tracker: Any, tracing: Any,
                  device: Any, errors: Any, flush: Callable[[], None], time_use: TimeUse, progress: Progress,
                  under_way: Callable[[], tuple[float, float]]):
         self._time_use = time_use       # goodput: where the wall time goes
         self._progress = progress       # the highest step the run completed, kept for a relaunch
         # (since when the loop is in a step, fetch or block; since when the open step is) on perf_counter, 0: not
         self._under_way = under_way
-        self._comm = comm               # the current comm_timing strategy (watch() may replace it)
         self._tracker = tracker
         self._tracing = tracing
         self._device = device           # device_reads.DeviceReads on CUDA, else None
@@ -138,7 +137,7 @@ class StepAccounting:
         loss, grad = s.loss, s.grad_norm
         exposed = 0.0
         try:
-            comm = self._comm()
+            comm = s.timer.comm   # the comm_timing strategy (Monitor.watch() may replace it)
             if comm.mode != "off":
                 exposed = self._exposed_wait(comm, s)
                 comm.step_ended()
@@ -363,14 +362,14 @@ class StepAccounting:
         return ""
 
     # -- publisher thread: values and phases the device has finished ---------------
-    def device_value_ready(self, value: DeviceValue) -> None:
-        number = float(value.host)
+    def device_value_ready(self, what: str, number: float, step: TraceContext | None) -> None:
+        """A CUDA ``loss`` or ``grad`` value, read once the device was done with it."""
         with self._lock:
-            judge = self._judge_loss if value.what == "loss" else self._judge_grad
+            judge = self._judge_loss if what == "loss" else self._judge_grad
             anomaly = judge(number, self._acc)
-        if anomaly and value.step is not None:
+        if anomaly and step is not None:
             # The loss is the primary signal; a grad anomaly is traced with no loss value.
-            self._trace(value.step, anomaly, number if value.what == "loss" else None)
+            self._trace(step, anomaly, number if what == "loss" else None)
 
     def device_phases_ready(self, phases: dict[str, float]) -> None:
         with self._lock:

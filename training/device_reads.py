@@ -19,13 +19,14 @@ from typing import Any, Callable
 from rankscope.contract.catalog import PHASES
 
 MAX_PENDING = 1024
+MAX_FREE_PINNED = 64   # per dtype: more than the values in flight at once
 
 
 @dataclass(slots=True)
 class DeviceValue:
     what: str            # "loss" or "grad"
     host: Any            # pinned 0-d tensor the value is copied into
-    ready: Any           # event recorded after the copy
+    ready: Any           # event recorded after the copy (from the event pool)
     step: Any            # the step's trace context (steps.TraceContext), or None
 
 
@@ -45,16 +46,25 @@ class DeviceReads:
         self._on_drop = on_drop
         self._values: deque[DeviceValue] = deque()
         self._steps: deque[DeviceStep] = deque()
+        # dtype -> pinned buffers whose value was read (appended by the publisher, popped by the training thread)
+        self._free_pinned: dict[Any, list[Any]] = {}
 
     # -- training thread -------------------------------------------------------
     def defer_value(self, what: str, tensor: Any, step: Any) -> None:
-        import torch
-
-        host = torch.empty((), dtype=tensor.dtype, pin_memory=True)
+        host = self._pinned(tensor.dtype)
         host.copy_(tensor, non_blocking=True)
-        ready = torch.cuda.Event()
+        ready = self.events.get()
         ready.record()
         self._push(self._values, DeviceValue(what, host, ready, step), "device_value")
+
+    def _pinned(self, dtype: Any) -> Any:
+        """A pinned 0-d buffer, reused once its value has been read: no allocation per step."""
+        free = self._free_pinned.get(dtype)
+        if free:
+            return free.pop()
+        import torch
+
+        return torch.empty((), dtype=dtype, pin_memory=True)
 
     def defer_step(self, step: DeviceStep) -> None:
         self._push(self._steps, step, "device_step")
@@ -70,12 +80,18 @@ class DeviceReads:
         queue.append(item)
 
     # -- publisher thread ------------------------------------------------------
-    def ready_values(self) -> list[DeviceValue]:
-        """Values whose copy has finished, in order; never blocks."""
+    def ready_values(self) -> list[tuple[str, float, Any]]:
+        """``(what, number, step)`` of the values whose copy has finished, in order; never
+        blocks. Their buffer and event go back for the next steps."""
         out = []
         values = self._values
         while values and values[0].ready.query():
-            out.append(values.popleft())
+            value = values.popleft()
+            out.append((value.what, float(value.host), value.step))
+            self.events.put(value.ready)
+            free = self._free_pinned.setdefault(value.host.dtype, [])
+            if len(free) < MAX_FREE_PINNED:
+                free.append(value.host)
         return out
 
     def ready_steps(self) -> list[dict[str, float]]:

@@ -106,7 +106,7 @@ class Monitor:
         self.device_reads = DeviceReads(self.tracker.events, self.errors.drop) if self.tracker.events else None
         judge = JudgeSettings(cfg.loss_window, cfg.loss_ema_alpha, cfg.spike_zscore, cfg.spike_warmup_steps,
                               cfg.grad_spike_factor)
-        self.accounting = StepAccounting(judge, lambda: self.comm, self.tracker, self.tracing, self.device_reads,
+        self.accounting = StepAccounting(judge, self.tracker, self.tracing, self.device_reads,
                                          self.errors, flush=lambda: self.publisher.flush(),
                                          time_use=TimeUse(process_start_perf(), self._progress.completed),
                                          progress=self._progress,

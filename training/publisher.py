@@ -47,6 +47,7 @@ class Publisher:
         self._alloc_retries = 0.0
         self._in_flight_published: dict[str, float] = {}
         self._published = {"spans": 0, "collective": 0}
+        self._acc = Accumulator()          # what the steps since the last publish added up to
         self.hold = LongestHold()          # the longest publish, after the accounting's sliced absorb
 
     def start(self) -> None:
@@ -76,9 +77,12 @@ class Publisher:
                 self._accounting.absorb()   # the steps that ended since the last publish (in GIL-releasing slices)
             except Exception:
                 self._errors.error("publisher")
-            for component, part in (("publisher", self._publish_steps), ("collectives", self._publish_collectives),
+            self._acc = Accumulator()
+            for component, part in (("publisher", self._take_steps), ("publisher", self._publish_steps),
+                                    ("publisher", self._publish_time_use), ("collectives", self._publish_collectives),
                                     ("memory", self._publish_memory), ("tracing", self._publish_drops),
-                                    ("publisher", self._rank_info.publish_when_known)):
+                                    ("publisher", self._rank_info.save_when_known),
+                                    ("publisher", self._rank_info.publish_saved)):
                 self.hold.start()
                 try:
                     part()
@@ -89,17 +93,20 @@ class Publisher:
         finally:
             self._lock.release()
 
-    # -- parts -------------------------------------------------------------------
-    def _publish_steps(self) -> None:
-        m = self._m
-        m.heartbeat.set(time.time())
+    # -- parts (each writes a few dozen values at most: well under a millisecond) ----
+    def _take_steps(self) -> None:
+        """The CUDA values and phases the device has finished, then what the steps added up to."""
         if self._device is not None:
             self._tracker.poll_device()   # first: device steps need their buckets' durations
-            for value in self._device.ready_values():
-                self._accounting.device_value_ready(value)
+            for what, number, step in self._device.ready_values():
+                self._accounting.device_value_ready(what, number, step)
             for phases in self._device.ready_steps():
                 self._accounting.device_phases_ready(phases)
-        acc = self._accounting.swap()
+        self._acc = self._accounting.swap()
+
+    def _publish_steps(self) -> None:
+        m, acc = self._m, self._acc
+        m.heartbeat.set(time.time())
         if acc.steps:
             m.steps.inc(acc.steps)
             observe_all(m.step_duration, acc.durations)
@@ -113,6 +120,9 @@ class Publisher:
             if m.model_flops is not None:
                 m.model_flops.inc(self._flops.step_flops(acc.samples, acc.tokens) or 0.0)
         observe_all(m.data_wait, acc.data_waits)
+
+    def _publish_time_use(self) -> None:
+        m, acc = self._m, self._acc
         for k, v in acc.wall.items():
             if v > 0:
                 m.wall[k].inc(v)

@@ -249,7 +249,9 @@ class StepTimer:
             s.phase_log = []
         if s.device_phases:
             s.device_phases = []
-        self.comm.step_started()
+        comm = self.comm
+        if comm.mode != "off":
+            comm.step_started()
 
     def end(self, s: Step, exc: BaseException | None) -> None:
         t1 = perf_counter()

@@ -415,7 +415,7 @@ def train_step(monitor: Monitor, model: nn.Module, opt: torch.optim.Optimizer, l
                 grad_norm = grad_norm.full_tensor()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        s.observe(loss=loss.detach(), grad_norm=grad_norm, lr=opt.param_groups[0]["lr"])
+        s.observe(loss=loss, grad_norm=grad_norm, lr=opt.param_groups[0]["lr"])
     return loss
 
 

@@ -150,4 +150,4 @@ def monitored_step(monitor, model, opt, x, y, lr: float | None = None) -> None:
         with s.phase("optimizer"):
             opt.step()
             opt.zero_grad(set_to_none=True)
-        s.observe(loss=loss.detach(), lr=lr)
+        s.observe(loss=loss, lr=lr)
