@@ -150,7 +150,7 @@ def run_side_by_side(envs: dict[str, dict[str, str]]) -> dict[str, JobMeasure]:
     """Run the jobs at the same time and measure each.
 
     The machine is shared and its load drifts by tens of percent within a
-    minute, more than the 5 % to be checked; jobs that run side by side see
+    minute, more than the 10 % to be checked; jobs that run side by side see
     the same load, so their step times can be compared.
     """
     measures = {name: JobMeasure() for name in envs}
@@ -206,5 +206,8 @@ def test_dead_collectors_neither_slow_nor_delay_the_job():
         delay, baseline_delay = m.exited_at - m.last_step_ts, baseline.exited_at - baseline.last_step_ts
         assert delay < max(5.0, baseline_delay + 3.0), f"{traced_name}: exited too late after its last step: {report}"
         assert m.dropped > 0, f"{traced_name}: spans sent to a dead collector must be counted as dropped: {report}"
-        assert m.median_step < 1.05 * baseline.median_step, \
-            f"{traced_name}: median step time >5% above the job with tracing off: {report}"
+        # Side by side on the 2 vCPUs, traced vs untraced medians differed by -5.7% to +5.0%
+        # over seven runs of this test (the traced job ahead as often as behind), so 5% flaked;
+        # an export blocking the training thread would cost milliseconds per traced step.
+        assert m.median_step < 1.10 * baseline.median_step, \
+            f"{traced_name}: median step time >10% above the job with tracing off: {report}"

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from rankscope import values
 from rankscope.contract.catalog import PHASES
-from rankscope.device_reads import DeviceStep, DeviceValue
+from rankscope.device_reads import DeviceStep
 from rankscope.goodput import Progress, TimeUse
 from rankscope.holds import LongestHold
 from rankscope.health import GradNormTracker, LossTracker
