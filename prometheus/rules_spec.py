@@ -517,10 +517,12 @@ ALERTS: tuple[Alert, ...] = (
           "{{ with printf `rankscope_process_group_last_enqueued_seq{SEL,run=\"%s\",rank=\"%s\",group_id=\"%s\"}` "
           "$labels.run $labels.rank $labels.group_id | query }}seq {{ . | first | value }}{{ end }}, "
           "{{ $value }} behind its peers, who wait in "
-          "{{ with printf `topk(1, max by (op) (rank_group_op:rankscope_process_group_in_flight:seconds"
+          # The records of its own group, current as of this evaluation (the process-group
+          # summaries are recorded only once a minute).
+          "{{ with printf `topk(1, max by (op) (" + LONG_WAITS_RECORD +
           "{run=\"%s\",group_id=\"%s\"}))` $labels.run $labels.group_id | query }}{{ range . }}{{ .Labels.op }} "
           "(for {{ .Value | humanizeDuration }}){{ end }}{{ else }}a collective{{ end }} up to "
-          "{{ with printf `group:rankscope_process_group_last_enqueued_seq:max{run=\"%s\",group_id=\"%s\"}` "
+          "{{ with printf `max(rankscope_process_group_last_enqueued_seq{SEL,run=\"%s\",group_id=\"%s\"})` "
           "$labels.run $labels.group_id | query }}seq {{ . | first | value }}{{ end }}. "
           "This rank has not issued that collective: it is the likely culprit."),
     # The victims of a dead, lost, hung or frozen rank stall too: the cause's own
@@ -748,7 +750,8 @@ RULE_GROUPS: tuple[Group, ...] = (
         "run:rankscope_step_duration_seconds:p90",
         "run_category:rankscope_wall_seconds:ratio",
     ), slow=True),
-    # Read by dashboards only (and annotations): run-wide summaries.
+    # Read by dashboards only: run-wide summaries, every minute (their panels plot
+    # 1 h at most; a 1,024-node Prometheus spends its CPU on the 15 s groups).
     Group("rankscope.recording.summaries", (
         "run_phase:rankscope_phase_seconds:fraction_avg",
         "run:rankscope_phase_seconds:compute_per_step_median",
@@ -757,7 +760,7 @@ RULE_GROUPS: tuple[Group, ...] = (
         "rank:rankscope_mfu:ratio",
         "run:rankscope_mfu:ratio",
         "rank_op:rankscope_collective_duration_seconds:mean",
-    )),
+    ), slow=True),
     Group("rankscope.recording.goodput_memory", (
         "rank:rankscope_goodput:ratio",
         "run:rankscope_goodput:ratio",
@@ -773,12 +776,13 @@ RULE_GROUPS: tuple[Group, ...] = (
         _cause("node_lost"),
         _cause("frozen"),
     )),
-    # Every process group's front and waits (dashboards, annotations).
+    # Every process group's front and waits (dashboards, and CollectiveBehind's
+    # description), every minute: CollectiveBehind's own expression reads the raw series.
     Group("rankscope.recording.process_groups", (
         "rank_group_op:rankscope_process_group_in_flight:seconds",
         "group:rankscope_process_group_last_enqueued_seq:max",
         "group:rankscope_process_group_in_flight:max_seconds",
-    )),
+    ), slow=True),
     # ---- alert groups (alerts.yml) ----
     # The hang suspects, recorded once, then read in the same evaluation by the
     # hang_suspect cause and by HangSuspect. First of the alert groups, as the next

@@ -67,14 +67,16 @@ def _groups(*paths: Path) -> list[dict]:
 
 
 def test_rule_groups_are_rendered_in_order_with_their_intervals(tmp_path):
-    """RULE_GROUPS, in order, record-only groups in recording.yml; only the slow group has its
-    own interval in production (1m); every group evaluates every second in the fast variant."""
+    """RULE_GROUPS, in order, record-only groups in recording.yml; only the slow groups (records
+    no alert reads, long-window warnings) have their own interval in production (1m); every
+    group evaluates every second in the fast variant."""
     groups = _groups(*RULE_FILES)
     assert [g["name"] for g in groups] == [g.name for g in RULE_GROUPS]
     assert all("alert" not in r for g in _groups(RULE_FILES[0]) for r in g["rules"])
     assert all(any("alert" in r for r in g["rules"]) for g in _groups(RULE_FILES[1]))
-    assert {g["name"]: g.get("interval") for g in groups if g.get("interval")} == {"rankscope.recording.slow": "1m",
-                                                                                 "rankscope.alerts.slow": "1m"}
+    assert {g["name"]: g.get("interval") for g in groups if g.get("interval")} == {
+        "rankscope.recording.slow": "1m", "rankscope.recording.summaries": "1m",
+        "rankscope.recording.process_groups": "1m", "rankscope.alerts.slow": "1m"}
     generate.main(["--override", str(PROM / "fast.yaml"), "--out", str(tmp_path)])
     fast = _groups(tmp_path / generate.RECORDING_FILE, tmp_path / generate.ALERTS_FILE)
     assert [g.get("interval") for g in fast] == ["1s"] * len(RULE_GROUPS)
