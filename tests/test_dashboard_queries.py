@@ -27,6 +27,7 @@ import re
 import time
 import urllib.parse
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -198,6 +199,17 @@ def _query_ok(prom: PrometheusServer, expr: str) -> bool:
     return bool(prom.query(expr))
 
 
+def _every_group_evaluated_since(prom: PrometheusServer, t: float) -> bool:
+    groups = prom.api("rules")["groups"]
+    return bool(groups) and all(_unix(g["lastEvaluation"]) >= t for g in groups)
+
+
+def _unix(rfc3339: str) -> float:
+    """Go's RFC 3339 with nanoseconds ("...T15:40:01.123456789Z" or "+01:00") as Unix seconds."""
+    text = re.sub(r"(\.\d{6})\d+", r"\1", rfc3339).replace("Z", "+00:00")
+    return datetime.fromisoformat(text).timestamp()
+
+
 @pytest.fixture(scope="module")
 def runner():
     """Two real jobs, one Prometheus scraping both; yields once every fault is visible in Prometheus."""
@@ -231,6 +243,11 @@ def runner():
         ]
         for expr in faults:
             prom.wait_for(lambda e=expr: _query_ok(prom, e), timeout=120, what=expr)
+        # The groups recorded once a minute (summaries only panels read) evaluate at
+        # their own offset in the minute: wait for one evaluation of each after the faults.
+        faults_seen = time.time()
+        prom.wait_for(lambda: _every_group_evaluated_since(prom, faults_seen), timeout=90,
+                      what="an evaluation of every rule group after the faults")
         yield QueryRunner(prom, start, time.time())
 
 
