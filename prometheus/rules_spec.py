@@ -396,9 +396,10 @@ RECORDING_RULES: tuple[Record, ...] = (
            "max by (run, group, group_id) (rankscope_process_group_last_enqueued_seq{SEL})"),
     Record("group:rankscope_process_group_in_flight:max_seconds",
            "max by (run, group, group_id) (rank_group_op:rankscope_process_group_in_flight:seconds)"),
+    # The waits in a process group past collective_behind_wait_seconds, as of the scrape.
+    Record(LONG_WAITS_RECORD, LONG_WAITS),
     # Collectives a rank is behind its group's front while a peer of the group
     # has waited past the bar and the rank itself waits in nothing that long.
-    Record(LONG_WAITS_RECORD, LONG_WAITS),
     Record(SEQ_BEHIND_RECORD, SEQ_BEHIND),
     # ---- hang suspects and stalled ranks (read by their alerts and causes) -----
     Record(HANG_SUSPECT_RECORD, HANG_SUSPECT),

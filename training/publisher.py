@@ -77,7 +77,7 @@ class Publisher:
                 self._accounting.absorb()   # the steps that ended since the last publish (in GIL-releasing slices)
             except Exception:
                 self._errors.error("publisher")
-            self._acc = Accumulator()
+            self._acc = Accumulator()   # if taking the steps fails, the parts publish nothing twice
             for component, part in (("publisher", self._take_steps), ("publisher", self._publish_steps),
                                     ("publisher", self._publish_time_use), ("collectives", self._publish_collectives),
                                     ("memory", self._publish_memory), ("tracing", self._publish_drops),
