@@ -95,8 +95,8 @@ def render(config: dict) -> dict[str, dict[str, Any]]:
 
     The groups are rules_spec.RULE_GROUPS, in that order: those with an alert go to
     alerts.yml, the record-only ones to recording.yml. A group evaluates every
-    ``rule_interval`` (null: Prometheus's global interval), a slow one every
-    ``slow_rule_interval``.
+    interval its ``interval`` key names (``rule_interval``, ``warning_rule_interval``
+    or ``slow_rule_interval``; null: Prometheus's global interval).
     """
     check_groups()
     names = {a.alert for a in ALERTS}
@@ -134,7 +134,7 @@ def render(config: dict) -> dict[str, dict[str, Any]]:
     files: dict[str, dict[str, Any]] = {RECORDING_FILE: {"groups": []}, ALERTS_FILE: {"groups": []}}
     for group in RULE_GROUPS:
         rules = group_rules(group)
-        interval = config["slow_rule_interval"] if group.slow else config.get("rule_interval")
+        interval = config[group.interval]
         files[ALERTS_FILE if any(isinstance(r, Alert) for r in rules) else RECORDING_FILE]["groups"].append({
             "name": group.name, **({"interval": interval} if interval else {}),
             "rules": [alert(r) if isinstance(r, Alert) else record(r) for r in rules],

@@ -141,9 +141,11 @@ STALLED = (
 
 # HANG_SUSPECT and STALLED, each recorded once per evaluation in the group of the
 # alert that pages on it, before the alert and the cause that read it (the same
-# evaluation's value). CollectiveBehind keeps HANG_SUSPECT itself: it must see the
-# suspect in its own evaluation on every engine (vmalert reads a record of the same
-# group one evaluation late).
+# evaluation's value). CollectiveBehind, in the same group as HangSuspect, reads
+# the hang_suspect cause recorded before it: on Prometheus as of its own
+# evaluation; on vmalert, which reads a record of its own group one evaluation
+# late, as of the same evaluation as the sequence numbers it judges (recorded in
+# that group too), so the two never disagree about which hang came first.
 HANG_SUSPECT_RECORD = "rank:rankscope_step_stalled_seconds:hang_suspect"
 STALLED_RECORD = "rank:rankscope_step_stalled_seconds:stalled"
 
@@ -223,7 +225,7 @@ NODE_LOST = (
 # no collective itself (a rank blocked elsewhere, by the culprit, is a victim),
 # has stepped no more for as long, and is not frozen (RankFrozen says more).
 # Computed from the raw series, and recorded in the alert's own group just before it
-# (rankscope.alerts.collectives), so that the alert needs no other group's evaluation
+# (rankscope.alerts.hangs), so that the alert needs no other group's evaluation
 # first: it can go pending one scrape and one evaluation after the peers' wait crosses
 # the bar.
 # The wait as of the scrape (the sample's timestamp), as the exporter computes
@@ -378,9 +380,11 @@ RECORDING_RULES: tuple[Record, ...] = (
            "unless on (run, rank) (last_over_time(rankscope_rank_state{SEL,state=\"finished\"}[<<node_lost_window>>]) == 1)\n"
            "unless on (job, instance) (up{SEL} == 1)"),
     # Every rank of the run still visible is dead: the launcher tore the run down.
+    # rankscope_rank_state is one-hot, so "no rank in another state" is "every rank's
+    # dead series is 1": one state series per rank read, not all seven.
     Record("run:rankscope_ranks:torn_down",
            "count by (run) (rankscope_rank_state{SEL,state=\"dead\"} == 1)\n"
-           "unless on (run) (rankscope_rank_state{SEL,state!=\"dead\"} == 1)"),
+           "and on (run) (min by (run) (rankscope_rank_state{SEL,state=\"dead\"}) == 1)"),
     # No visible rank of the run starts or progresses; some are stuck, frozen or dead.
     Record("run:rankscope_ranks:stopped",
            "count by (run) (rankscope_rank_state{SEL,state=~\"stuck_in_collective|stuck|frozen|dead\"} == 1)\n"
@@ -507,9 +511,8 @@ ALERTS: tuple[Alert, ...] = (
     # names the cause, it stays quiet: one page per hang.
     Alert("RankscopeCollectiveBehind",
           "(\n  " + _indent(COLLECTIVE_BEHIND_FROM_RECORD) + "\n)\n"
-          "unless on (run) run:rankscope_cause:present{cause=~\"rank_down|node_lost|hang_suspect|frozen\"}\n"
-          # HangSuspect's condition itself, in the same evaluation: the cause record lags one.
-          "unless on (run) (\n  " + _indent(HANG_SUSPECT) + "\n)",
+          # hang_suspect: recorded earlier in this group, as of this evaluation.
+          "unless on (run) run:rankscope_cause:present{cause=~\"rank_down|node_lost|hang_suspect|frozen\"}",
           "critical",
           "Run {{ $labels.run }} hangs in process group {{ $labels.group }}: rank {{ $labels.rank }} "
           "on node {{ $labels.node }} is behind",
@@ -697,15 +700,21 @@ ALERTS: tuple[Alert, ...] = (
 # group: only they read them.
 
 
+# How often a group evaluates: the thresholds.yaml key that holds its interval. At
+# 1,024 nodes the rules' CPU is the Prometheus's; a rule evaluated half as often
+# costs half (docs/scaling.md). tests/test_rules.py checks that no page waits on
+# a less frequent group: a critical alert, and every record it reads, is PAGING.
+PAGING = "rule_interval"            # pages, and what they read (Prometheus's global interval, 15 s)
+WARNING = "warning_rule_interval"   # warnings with `for:` of 5 m or more, and records only they read (30 s)
+SLOW = "slow_rule_interval"         # warnings over long windows with `for:` >= 10 m; dashboard summaries (1 m)
+
+
 @dataclass(frozen=True)
 class Group:
     name: str
     # Record names (a cause record as run:rankscope_cause:present{<cause>}) and alert names, in order.
     rules: tuple[str, ...]
-    # Evaluated every slow_rule_interval (thresholds.yaml) instead of rule_interval: only
-    # warnings over long windows with long `for:`, where a minute more latency is noise,
-    # and records no alert's expression reads.
-    slow: bool = False
+    interval: str = PAGING
 
 
 def rule_key(rule: Record | Alert) -> str:
@@ -726,23 +735,24 @@ RULE_GROUPS: tuple[Group, ...] = (
         "run:rankscope_step_duration_seconds:median",
         "run:rankscope_step_duration_seconds:spread_ratio",
         "run:rankscope_steps:rate",
-    )),
+    ), WARNING),
     # Warm-up and compute per step against the peers (the straggler's records), and
-    # the straggler cause computed from them.
+    # the straggler cause computed from them. Only warnings read them (the bottleneck
+    # alerts, whose victims the straggler cause keeps quiet).
     Group("rankscope.recording.phases", (
         "rank:rankscope_steps:warming_up",
         "rank:rankscope_phase_seconds:compute_per_step",
         "run:rankscope_phase_seconds:compute_per_step_peer_median",
         "rank:rankscope_phase_seconds:compute_per_step_peer_ratio",
         _cause("straggler"),
-    )),
+    ), WARNING),
     # Each phase's share of the step (InputBound, CommunicationBound) and the
     # input_bound cause; the cause reads the warm-up record of the group above as
     # of its last evaluation (it changes once, at a launch's start).
     Group("rankscope.recording.phase_fractions", (
         "rank_phase:rankscope_phase_seconds:fraction",
         _cause("input_bound"),
-    )),
+    ), WARNING),
     # Summaries that no alert's expression reads, every minute: the step-time p90
     # from every rank's histogram buckets (18 series per rank, a fifth of the samples
     # the rules read) and each goodput category's share (dashboards; GoodputLow's
@@ -750,7 +760,7 @@ RULE_GROUPS: tuple[Group, ...] = (
     Group("rankscope.recording.slow", (
         "run:rankscope_step_duration_seconds:p90",
         "run_category:rankscope_wall_seconds:ratio",
-    ), slow=True),
+    ), SLOW),
     # Read by dashboards only: run-wide summaries, every minute (their panels plot
     # 1 h at most; a 1,024-node Prometheus spends its CPU on the 15 s groups).
     Group("rankscope.recording.summaries", (
@@ -761,13 +771,14 @@ RULE_GROUPS: tuple[Group, ...] = (
         "rank:rankscope_mfu:ratio",
         "run:rankscope_mfu:ratio",
         "rank_op:rankscope_collective_duration_seconds:mean",
-    ), slow=True),
+    ), SLOW),
+    # Read by GoodputLow and MemoryHeadroomLow, warnings.
     Group("rankscope.recording.goodput_memory", (
         "rank:rankscope_goodput:ratio",
         "run:rankscope_goodput:ratio",
         "rank:rankscope_device_memory:headroom_ratio",
         "rank:rankscope_host_memory:headroom_ratio",
-    )),
+    ), WARNING),
     # Dead, lost and frozen ranks: the records and causes of the liveness alerts.
     Group("rankscope.recording.liveness", (
         "rank:rankscope_rank_up:lost",
@@ -783,21 +794,19 @@ RULE_GROUPS: tuple[Group, ...] = (
         "rank_group_op:rankscope_process_group_in_flight:seconds",
         "group:rankscope_process_group_last_enqueued_seq:max",
         "group:rankscope_process_group_in_flight:max_seconds",
-    ), slow=True),
+    ), SLOW),
     # ---- alert groups (alerts.yml) ----
-    # The hang suspects, recorded once, then read in the same evaluation by the
-    # hang_suspect cause and by HangSuspect. First of the alert groups, as the next
-    # one: their causes are read by the alerts of the groups after them.
+    # A hang, two ways. The hang suspects, recorded once, then read in the same
+    # evaluation by the hang_suspect cause and by HangSuspect. Then the ranks behind
+    # their process group's front, recorded once, then read in the same evaluation by
+    # the collective_behind cause and by CollectiveBehind, which so pages one scrape
+    # and one evaluation after the peers' wait crosses its bar, and stays quiet when
+    # the hang_suspect cause just recorded names the hang. First of the alert groups:
+    # their causes are read by the liveness, stall and bottleneck alerts.
     Group("rankscope.alerts.hangs", (
         HANG_SUSPECT_RECORD,
         _cause("hang_suspect"),
         "RankscopeHangSuspect",
-    )),
-    # The ranks behind their process group's front, recorded once, then read in the
-    # same evaluation by the collective_behind cause and by CollectiveBehind, which so
-    # pages one scrape and one evaluation after the peers' wait crosses its bar. First
-    # of the alert groups: the cause is read by the liveness and bottleneck alerts.
-    Group("rankscope.alerts.collectives", (
         LONG_WAITS_RECORD,
         SEQ_BEHIND_RECORD,
         _cause("collective_behind"),
@@ -816,25 +825,27 @@ RULE_GROUPS: tuple[Group, ...] = (
         _cause("stalled"),
         "RankscopeRunStalled",
     )),
-    # Counted events and memory: no rule here reads a record or another rule of its group.
+    # Counted events that page or warn at once (divergence, OOM): no rule here reads
+    # a record or another rule of its group.
     Group("rankscope.alerts.training", (
         "RankscopeNonFiniteLoss",
         "RankscopeLossSpikes",
         "RankscopeGradNormExplosion",
-    )),
-    Group("rankscope.alerts.memory", (
         "RankscopeOutOfMemory",
+    )),
+    # Warnings with `for:` of 5 m or more.
+    Group("rankscope.alerts.memory", (
         "RankscopeAllocRetriesRising",
         "RankscopeMemoryHeadroomLow",
         "RankscopeExporterCollectorFailing",
-    )),
+    ), WARNING),
     Group("rankscope.alerts.bottlenecks", (
         "RankscopeStraggler",
         "RankscopeInputBound",
         "RankscopeCommunicationBound",
         "RankscopeThroughputDrop",
         "RankscopeGoodputLow",
-    )),
+    ), WARNING),
     Group("rankscope.alerts.gpu", (
         GPU_RANK_LIVE,
         GPU_ERRORS_NEW,
@@ -848,7 +859,7 @@ RULE_GROUPS: tuple[Group, ...] = (
         "RankscopeGPUUnderutilized",
         "RankscopeLossDiverging",
         "RankscopeMemoryExhaustionPredicted",
-    ), slow=True),
+    ), SLOW),
 )
 
 

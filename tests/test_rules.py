@@ -16,7 +16,7 @@ import yaml
 
 from rankscope.exporter.catalog import EXPORTER_METRICS
 from prometheus import generate
-from prometheus.rules_spec import ALERTS, RECORDING_RULES, RULE_GROUPS
+from prometheus.rules_spec import ALERTS, PAGING, RECORDING_RULES, RULE_GROUPS, SLOW, WARNING, rule_key
 from rankscope.contract.catalog import RANK_METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,14 +67,17 @@ def _groups(*paths: Path) -> list[dict]:
 
 
 def test_rule_groups_are_rendered_in_order_with_their_intervals(tmp_path):
-    """RULE_GROUPS, in order, record-only groups in recording.yml; only the slow groups (records
-    no alert reads, long-window warnings) have their own interval in production (1m); every
-    group evaluates every second in the fast variant."""
+    """RULE_GROUPS, in order, record-only groups in recording.yml; the paging groups evaluate at
+    Prometheus's global interval, the warnings' every 30 s, the slow ones (dashboard summaries,
+    long-window warnings) every minute; every group evaluates every second in the fast variant."""
     groups = _groups(*RULE_FILES)
     assert [g["name"] for g in groups] == [g.name for g in RULE_GROUPS]
     assert all("alert" not in r for g in _groups(RULE_FILES[0]) for r in g["rules"])
     assert all(any("alert" in r for r in g["rules"]) for g in _groups(RULE_FILES[1]))
     assert {g["name"]: g.get("interval") for g in groups if g.get("interval")} == {
+        "rankscope.recording.steps": "30s", "rankscope.recording.phases": "30s",
+        "rankscope.recording.phase_fractions": "30s", "rankscope.recording.goodput_memory": "30s",
+        "rankscope.alerts.memory": "30s", "rankscope.alerts.bottlenecks": "30s",
         "rankscope.recording.slow": "1m", "rankscope.recording.summaries": "1m",
         "rankscope.recording.process_groups": "1m", "rankscope.alerts.slow": "1m"}
     generate.main(["--override", str(PROM / "fast.yaml"), "--out", str(tmp_path)])
@@ -96,6 +99,53 @@ def test_a_record_read_in_its_own_group_is_evaluated_before_its_readers():
                 defined_later.discard(rule["record"])
             early = {rec for rec in defined_later if _reads(rule["expr"], rec)}
             assert not early, (group["name"], rule.get("alert") or rule.get("record"), early)
+
+
+_FOR_AT_LEAST = {PAGING: 0, WARNING: 300, SLOW: 600}   # seconds of `for:` an alert needs in such a group
+
+
+def _causes_read(expr: str) -> set[str] | None:
+    """The causes a rule reads from run:rankscope_cause:present (None: none; all when unfiltered)."""
+    reads = re.findall(r"run:rankscope_cause:present(\{[^}]*\})?", expr)
+    if not reads:
+        return None
+    causes: set[str] = set()
+    every = {dict(r.labels)["cause"] for r in RECORDING_RULES if r.record == "run:rankscope_cause:present"}
+    for matcher in reads:
+        m = re.search(r'cause=~?"([^"]*)"', matcher)
+        causes |= {c for c in every if re.fullmatch(m.group(1), c)} if m else every
+    return causes
+
+
+def test_no_page_waits_on_a_less_frequent_group():
+    """A critical alert evaluates at the paging interval, and so does every record it reads,
+    directly or through other records; a warning in a 30 s or 1 m group waits minutes anyway
+    (its `for:`), so that interval adds at most a fraction of it to the time to page."""
+    config = generate.load_thresholds()
+    interval_of = {}   # record name (a cause as run:rankscope_cause:present{cause}) -> interval key
+    for group in RULE_GROUPS:
+        for key in group.rules:
+            interval_of[key] = group.interval
+    exprs = {rule_key(r): r.expr for r in (*RECORDING_RULES, *ALERTS)}
+
+    def records_read(key: str) -> set[str]:
+        expr = exprs[key]
+        read = {k for k in exprs if ":" in k and "{" not in k and k != key and _reads(expr, k)}
+        causes = _causes_read(expr)
+        return read | {f"run:rankscope_cause:present{{{c}}}" for c in (causes or ())}
+
+    for alert in ALERTS:
+        group = interval_of[alert.alert]
+        assert generate.duration_seconds(config["for"][alert.alert]) >= _FOR_AT_LEAST[group], alert.alert
+        if alert.severity != "critical":
+            continue
+        assert group == PAGING, alert.alert
+        seen, todo = set(), records_read(alert.alert)
+        while todo:
+            record = todo.pop()
+            seen.add(record)
+            assert interval_of[record] == PAGING, (alert.alert, record)
+            todo |= records_read(record) - seen
 
 
 def test_gpu_alerts_join_the_rank_map_of_their_own_group():
