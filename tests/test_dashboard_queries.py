@@ -238,11 +238,14 @@ def runner():
         ]
         for expr in faults:
             prom.wait_for(lambda e=expr: _query_ok(prom, e), timeout=120, what=expr)
-        # The groups recorded once a minute (summaries only panels read) evaluate at
-        # their own offset in the minute: wait for one evaluation of each after the faults.
-        faults_seen = time.time()
-        prom.wait_for(lambda: _every_group_evaluated_since(prom, faults_seen), timeout=90,
-                      what="an evaluation of every rule group after the faults")
+        # Groups evaluate at their own offset in their own interval (15 s, 30 s, 1 m), and
+        # a record may read another group's (the 1 m summaries read the 30 s compute per
+        # step): two rounds of every group after the faults, so each record panels read
+        # is computed from records that are themselves from after the faults.
+        for round_ in ("first", "second"):
+            since = time.time()
+            prom.wait_for(lambda t=since: _every_group_evaluated_since(prom, t), timeout=90,
+                          what=f"a {round_} evaluation of every rule group after the faults")
         yield QueryRunner(prom, start, time.time())
 
 
