@@ -125,6 +125,13 @@ HANG_SUSPECT = (
 RANK_FROZEN = ("rankscope_heartbeat_age_seconds{SEL}\n"
                "and on (run, rank) (rankscope_rank_state{SEL,state=\"frozen\"} == 1)")
 
+# RANK_DOWN and RANK_FROZEN, each recorded once per evaluation in the group of their
+# causes (rankscope.recording.liveness), with the lost node's records and cause: the
+# cause reads it in the same evaluation, the alert (RankDown, RankFrozen) as of that
+# group's last evaluation, together with the node_lost cause RankDown defers to.
+RANK_DOWN_RECORD = "rank:rankscope_rank_up:down"
+RANK_FROZEN_RECORD = "rank:rankscope_heartbeat_age_seconds:frozen"
+
 # No step for stall_seconds; a rank that has not completed its first step yet
 # (loading a checkpoint, compiling) gets startup_stall_seconds. Either way a
 # rank whose step counter still grows is not stalled, whatever its last-step
@@ -258,13 +265,14 @@ SEQ_BEHIND = (
     "  )\n"
     f"  and on (run, rank, group_id) {LONG_WAITS_RECORD}\n"
     ")")
-COLLECTIVE_BEHIND_REST = (
+# ... and that has stepped no more for as long, and is not frozen: CollectiveBehind's
+# whole condition, recorded once (rank_group:rankscope_process_group_seq:behind) for
+# the cause and the alert evaluated after it in its group: the same evaluation's value.
+COLLECTIVE_BEHIND = (
+    SEQ_BEHIND + "\n"
     "and on (run, rank) (rankscope_step_stalled_seconds{SEL} > <<collective_behind_wait_seconds>>)\n"
     "unless on (run, rank) (rankscope_rank_state{SEL,state=\"frozen\"} == 1)")
-# The same, reading SEQ_BEHIND from its record (rank_group:rankscope_process_group_seq:behind),
-# for the cause and the alert evaluated after it in its group: the same evaluation's value.
 SEQ_BEHIND_RECORD = "rank_group:rankscope_process_group_seq:behind"
-COLLECTIVE_BEHIND_FROM_RECORD = SEQ_BEHIND_RECORD + "\n" + COLLECTIVE_BEHIND_REST
 
 
 def cause(name: str, alert: str, condition: str) -> Record:
@@ -403,17 +411,20 @@ RECORDING_RULES: tuple[Record, ...] = (
     # The waits in a process group past collective_behind_wait_seconds, as of the scrape.
     Record(LONG_WAITS_RECORD, LONG_WAITS),
     # Collectives a rank is behind its group's front while a peer of the group
-    # has waited past the bar and the rank itself waits in nothing that long.
-    Record(SEQ_BEHIND_RECORD, SEQ_BEHIND),
+    # has waited past the bar and the rank itself waits in nothing that long, has
+    # not stepped for as long and is not frozen.
+    Record(SEQ_BEHIND_RECORD, COLLECTIVE_BEHIND),
     # ---- hang suspects and stalled ranks (read by their alerts and causes) -----
     Record(HANG_SUSPECT_RECORD, HANG_SUSPECT),
     Record(STALLED_RECORD, STALLED),
     # ---- causes present in a run (1 per cause): their victims are not blamed ---
-    cause("rank_down", "RankscopeRankDown", RANK_DOWN),
+    Record(RANK_DOWN_RECORD, RANK_DOWN),
+    Record(RANK_FROZEN_RECORD, RANK_FROZEN),
+    cause("rank_down", "RankscopeRankDown", RANK_DOWN_RECORD),
     cause("node_lost", "RankscopeNodeLost", NODE_LOST),
     cause("hang_suspect", "RankscopeHangSuspect", HANG_SUSPECT_RECORD),
-    cause("frozen", "RankscopeRankFrozen", RANK_FROZEN),
-    cause("collective_behind", "RankscopeCollectiveBehind", COLLECTIVE_BEHIND_FROM_RECORD),
+    cause("frozen", "RankscopeRankFrozen", RANK_FROZEN_RECORD),
+    cause("collective_behind", "RankscopeCollectiveBehind", SEQ_BEHIND_RECORD),
     cause("stalled", "RankscopeRunStalled", STALLED_RECORD),
     cause("straggler", "RankscopeStraggler", STRAGGLER),
     cause("input_bound", "RankscopeInputBound", INPUT_BOUND),
@@ -476,7 +487,7 @@ ALERTS: tuple[Alert, ...] = (
     # NodeLost pages for them (`for:` gives the lost exporter a scrape or two to
     # be noticed; Alertmanager also inhibits them).
     Alert("RankscopeRankDown",
-          "(\n  " + _indent(RANK_DOWN) + "\n)\n"
+          RANK_DOWN_RECORD + "\n"
           "unless on (run) run:rankscope_cause:present{cause=\"node_lost\"}",
           "critical",
           "Rank {{ $labels.rank }} of run {{ $labels.run }} is down",
@@ -510,7 +521,7 @@ ALERTS: tuple[Alert, ...] = (
     # does not see. Where HangSuspect (or a dead, lost or frozen rank) already
     # names the cause, it stays quiet: one page per hang.
     Alert("RankscopeCollectiveBehind",
-          "(\n  " + _indent(COLLECTIVE_BEHIND_FROM_RECORD) + "\n)\n"
+          SEQ_BEHIND_RECORD + "\n"
           # hang_suspect: recorded earlier in this group, as of this evaluation.
           "unless on (run) run:rankscope_cause:present{cause=~\"rank_down|node_lost|hang_suspect|frozen\"}",
           "critical",
@@ -541,7 +552,7 @@ ALERTS: tuple[Alert, ...] = (
           "$labels.run $labels.rank | query }}{{ range . }}; it waits in {{ .Labels.op }} for "
           "{{ .Value | humanizeDuration }}{{ end }}{{ else }}; it is in no collective{{ end }}."),
     Alert("RankscopeRankFrozen",
-          RANK_FROZEN,
+          RANK_FROZEN_RECORD,
           "critical",
           "Rank {{ $labels.rank }} of run {{ $labels.run }} is frozen",
           "In " + WHO + ", the process is alive but its heartbeat stopped {{ $value | humanizeDuration }} ago: "
@@ -705,7 +716,7 @@ ALERTS: tuple[Alert, ...] = (
 # costs half (docs/scaling.md). tests/test_rules.py checks that no page waits on
 # a less frequent group: a critical alert, and every record it reads, is PAGING.
 PAGING = "rule_interval"            # pages, and what they read (Prometheus's global interval, 15 s)
-WARNING = "warning_rule_interval"   # warnings with `for:` of 5 m or more, and records only they read (30 s)
+WARNING = "warning_rule_interval"   # warnings (chat, not pager), and records only they read (30 s)
 SLOW = "slow_rule_interval"         # warnings over long windows with `for:` >= 10 m; dashboard summaries (1 m)
 
 
@@ -781,6 +792,8 @@ RULE_GROUPS: tuple[Group, ...] = (
     ), WARNING),
     # Dead, lost and frozen ranks: the records and causes of the liveness alerts.
     Group("rankscope.recording.liveness", (
+        RANK_DOWN_RECORD,
+        RANK_FROZEN_RECORD,
         "rank:rankscope_rank_up:lost",
         "run:rankscope_ranks:torn_down",
         "run:rankscope_ranks:stopped",
@@ -825,14 +838,17 @@ RULE_GROUPS: tuple[Group, ...] = (
         _cause("stalled"),
         "RankscopeRunStalled",
     )),
-    # Counted events that page or warn at once (divergence, OOM): no rule here reads
-    # a record or another rule of its group.
+    # Counted events that page at once (a non-finite loss, OOM): no rule here reads a
+    # record or another rule of its group.
     Group("rankscope.alerts.training", (
         "RankscopeNonFiniteLoss",
-        "RankscopeLossSpikes",
-        "RankscopeGradNormExplosion",
         "RankscopeOutOfMemory",
     )),
+    # Counted spikes that warn (LossSpikes, GradNormExplosion): a chat message 15 s later.
+    Group("rankscope.alerts.spikes", (
+        "RankscopeLossSpikes",
+        "RankscopeGradNormExplosion",
+    ), WARNING),
     # Warnings with `for:` of 5 m or more.
     Group("rankscope.alerts.memory", (
         "RankscopeAllocRetriesRising",
