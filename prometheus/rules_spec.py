@@ -844,7 +844,7 @@ RULE_GROUPS: tuple[Group, ...] = (
         "RankscopeNonFiniteLoss",
         "RankscopeOutOfMemory",
     )),
-    # Counted spikes that warn (LossSpikes, GradNormExplosion): a chat message 15 s later.
+    # Counted spikes that warn (LossSpikes, GradNormExplosion): a chat message at most 15 s later.
     Group("rankscope.alerts.spikes", (
         "RankscopeLossSpikes",
         "RankscopeGradNormExplosion",
