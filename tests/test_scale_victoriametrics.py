@@ -115,11 +115,16 @@ def stacks(tmp_path_factory):
                "prom_hook": prom_hook, "start": start, "end": time.time()}
 
 
+def scraped_instances(agents: list[VMAgent]) -> list[set[str]]:
+    """Each vmagent member's share: the instance labels of its active targets."""
+    return [{t["labels"]["instance"] for t in agent.active_targets()} for agent in agents]
+
+
 def test_vmagent_members_share_the_targets(stacks):
     """Together the members scrape every node, none twice. (Which member takes a node is a
     hash of its labels, random ports included: with 4 nodes one member may take them all,
     so that each member gets a share is shown over many targets below.)"""
-    shares = [{t["labels"]["instance"] for t in agent.active_targets()} for agent in stacks["agents"]]
+    shares = scraped_instances(stacks["agents"])
     assert sum(len(s) for s in shares) == NODES, shares
     assert set().union(*shares) == {f"node-{i:04d}:9400" for i in range(NODES)}
     up = stacks["vm"].query('sum(up{job="rankscope"})')
@@ -138,12 +143,9 @@ def test_vmagent_members_each_take_a_share_of_many_targets():
     with contextlib.ExitStack() as stack:
         agents = [stack.enter_context(VMAgent(scrape, remote_write=f"http://{closed}/api/v1/write",
                                               members=MEMBERS, member=k)) for k in range(MEMBERS)]
-
-        def assigned() -> list[set[str]]:
-            return [{t["labels"]["instance"] for t in agent.active_targets()} for agent in agents]
-        poll(lambda: sum(len(s) for s in assigned()) >= len(instances), 30, interval=0.2,
+        poll(lambda: sum(len(s) for s in scraped_instances(agents)) >= len(instances), 30, interval=0.2,
              what="both members' targets loaded")
-        shares = assigned()
+        shares = scraped_instances(agents)
     assert all(shares), shares
     assert sum(len(s) for s in shares) == len(instances)
     assert set().union(*shares) == instances
