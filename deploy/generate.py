@@ -12,6 +12,7 @@ The generators, in dependency order; each keeps its render logic and exposes
                                   (computed from their rendered text, not the files on disk,
                                   so one run is enough and --check does not depend on order)
 4. rankscope.exporter.catalog     the metric catalog between README.md's catalog markers
+5. rankscope.flops                the peak-FLOPS table between docs/goodput.md's peak-flops markers
 
 A file is stale when it differs from its rendering, is missing, or sits in a
 folder that holds only generated files (GENERATED_ONLY) but no generator makes
@@ -59,6 +60,16 @@ def readme_outputs() -> dict[Path, str]:
     return {README: catalog.splice(README.read_text())}
 
 
+def goodput_outputs() -> dict[Path, str]:
+    """docs/goodput.md with the peak-FLOPS table spliced in from rankscope.flops.PEAK_FLOPS."""
+    from rankscope import flops
+
+    path = REPO / "docs" / "goodput.md"
+    head, rest = path.read_text().split("<!-- peak-flops:start -->\n", 1)
+    _, tail = rest.split("\n<!-- peak-flops:end -->", 1)
+    return {path: f"{head}<!-- peak-flops:start -->\n{flops.peak_table_markdown()}\n<!-- peak-flops:end -->{tail}"}
+
+
 def render_all() -> dict[Path, str]:
     """Path -> text of every generated file, rendered in dependency order."""
     from grafana import generate as grafana_generate
@@ -69,6 +80,7 @@ def render_all() -> dict[Path, str]:
     out.update(grafana_generate.outputs())
     out.update(_kubernetes().outputs(upstream=dict(out)))
     out.update(readme_outputs())
+    out.update(goodput_outputs())
     return out
 
 

@@ -85,6 +85,15 @@ def test_no_figure_counts_nothing():
     ("Tesla V100S-PCIE-32GB", "V100S PCIe"),
     ("NVIDIA B200", "B200"),
     ("NVIDIA GB200", "GB200"),
+    ("NVIDIA B300 SXM6 AC", "B300"),
+    ("NVIDIA GB300", "GB300"),
+    ("NVIDIA H800", "H800 SXM"),
+    ("NVIDIA H800 PCIe", "H800 PCIe"),
+    ("NVIDIA GH200 480GB", "GH200"),
+    ("NVIDIA GH200 144G HBM3e", "GH200"),
+    ("NVIDIA H20", "H20"),
+    ("NVIDIA A800-SXM4-80GB", "A800"),
+    ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "H100 SXM"),
     ("NVIDIA GeForce RTX 4090", "RTX 4090"),
     ("NVIDIA RTX 6000 Ada Generation", "RTX 6000 Ada"),
 ])
@@ -101,7 +110,7 @@ def test_spelling_variants_of_one_gpu(spelling):
 
 
 @pytest.mark.parametrize("name", [
-    "NVIDIA H800", "NVIDIA GH200 480GB", "Quadro RTX 6000", "NVIDIA RTX A6000", "Tesla T4", "AMD Instinct MI300X",
+    "NVIDIA H2000", "Quadro RTX 6000", "NVIDIA RTX A6000", "Tesla T4", "AMD Instinct MI300X",
     "", "cpu", None,
 ])
 def test_unknown_gpu_has_no_peak(name):
@@ -244,7 +253,7 @@ def test_importing_flops_does_not_import_torch():
 
 
 def test_docs_show_the_peak_table():
-    """docs/goodput.md shows exactly PEAK_FLOPS (regenerate the block with peak_table_markdown())."""
+    """docs/goodput.md shows exactly PEAK_FLOPS (regenerate it: .venv/bin/python deploy/generate.py)."""
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "goodput.md").read_text()
@@ -252,3 +261,15 @@ def test_docs_show_the_peak_table():
     assert block == flops.peak_table_markdown()
     for variable in flops.ENV_VARIABLES:
         assert f"`{variable}`" in text, variable
+
+
+def test_a_mig_instance_gets_its_share_of_the_peak():
+    """A MIG slice reaches the peak in proportion to its SMs (torch's multi_processor_count
+    for the instance); without that count, its compute slices out of seven."""
+    full = lookup_peak_flops("NVIDIA H100 80GB HBM3", "bf16")
+    assert lookup_peak_flops("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bf16", sm_count=16) == pytest.approx(full * 16 / 132)
+    assert lookup_peak_flops("NVIDIA H100 80GB HBM3 MIG 3g.40gb", "bf16") == pytest.approx(full * 3 / 7)
+    assert lookup_peak_flops("NVIDIA A100-SXM4-40GB MIG 7g.40gb", "bf16", sm_count=98) == pytest.approx(312e12 * 98 / 108)
+    assert lookup_peak_flops("NVIDIA H100 80GB HBM3", "bf16", sm_count=16) == full   # not MIG: the whole GPU
+    assert FlopsConfig(model_params=1e9).peak("NVIDIA H100 80GB HBM3 MIG 2g.20gb", "cuda", 32) == \
+        pytest.approx(full * 32 / 132)

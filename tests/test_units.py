@@ -8,12 +8,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from rankscope.exporter.config import ExporterConfig
 from rankscope.exporter.ranks import RankView, derive_states
 from rankscope.collectives import CollectiveTracker
+from rankscope.device import RankDevice
 from rankscope.config import ConfigError, MonitorConfig
 from rankscope.health import GradNormTracker, LossTracker
 from rankscope.identity import RankIdentity
@@ -204,14 +206,16 @@ def test_no_suspect_while_collectives_are_short(tmp_path):
 
 
 class FakeEvent:
-    """Records a host time at record(); 'completes' once the test says so."""
+    """Records a host time (and the stream it was given) at record(); 'completes' once the test says so."""
 
     def __init__(self):
         self.t = None
+        self.stream = None
         self.done = False
 
-    def record(self):
+    def record(self, stream=None):
         self.t = time.perf_counter()
+        self.stream = stream
 
     def query(self):
         return self.done
@@ -221,6 +225,17 @@ class FakeEvent:
         return (end.t - self.t) * 1000.0
 
 
+DEVICE_STREAM = "the current stream of cuda:0"
+
+
+def fake_cuda(factory, index: int = 0) -> RankDevice:
+    """A RankDevice bound to cuda:<index>, with fake events and a named stream."""
+    device = RankDevice(lambda what, reason: None)
+    device.bind(SimpleNamespace(type="cuda", index=index), event_factory=factory,
+                stream=lambda d: f"the current stream of cuda:{d.index}")
+    return device
+
+
 def test_device_spans_are_read_lazily_in_order_and_events_reused():
     created = []
 
@@ -228,7 +243,7 @@ def test_device_spans_are_read_lazily_in_order_and_events_reused():
         created.append(FakeEvent())
         return created[-1]
 
-    tracker = CollectiveTracker(world_size=2, event_factory=factory)
+    tracker = CollectiveTracker(fake_cuda(factory))
     a = tracker.begin_device("all_reduce", 1024, bucket=0)
     tracker.end_device(a)
     b = tracker.begin_device("all_reduce", 2048, bucket=1)
@@ -244,10 +259,11 @@ def test_device_spans_are_read_lazily_in_order_and_events_reused():
     assert all(r.duration >= 0 for r in records) and tracker.in_flight() == {}
     c = tracker.begin_device("broadcast", 8)               # events come back from the pool
     assert len(created) == 4 and c.start_event in created
+    assert {e.stream for e in created} == {DEVICE_STREAM}  # the rank's device's stream, never another's
 
 
 def test_host_collectives_in_flight_and_bounded_buffer():
-    tracker = CollectiveTracker(world_size=2)
+    tracker = CollectiveTracker(RankDevice(lambda what, reason: None))
     token, t0, start = tracker.begin("barrier")
     assert tracker.in_flight()["barrier"] == start
     tracker.end(token, "barrier", 0, t0, start)
@@ -272,9 +288,10 @@ def test_cuda_phases_come_from_events_read_later(tmp_path, monkeypatch):
         events.append(FakeEvent())
         return events[-1]
 
-    monkeypatch.setattr(monitor_module, "_cuda_event_factory", lambda device: factory)   # the CUDA wiring
     monitor = monitor_module.Monitor(exporter="off", metrics_dir=tmp_path, run="cuda-path", backend="nccl",
                                      publish_interval_s=60)
+    monitor.device.bind(SimpleNamespace(type="cuda", index=0), event_factory=factory,   # the CUDA wiring
+                        stream=lambda d: DEVICE_STREAM)
     try:
         hook = monitor.comm = monitor.steps.comm = HookTiming(monitor.tracker, lambda: None)   # as watch() sets it
         with monitor.step(samples=4) as step:
@@ -288,17 +305,18 @@ def test_cuda_phases_come_from_events_read_later(tmp_path, monkeypatch):
         monitor.publisher.publish()
         phase = monitor.metrics.phase
         assert phase["forward"]._value.get() == 0                 # nothing read before the GPU is done
-        assert monitor.device_reads.ready_steps() == []
+        assert monitor.device.reads.ready_steps() == []
         for e in events:
             e.done = True
         monitor.publisher.publish()
-        assert not monitor.device_reads._steps
+        assert not monitor.device.reads._steps
         forward, backward, comm = (phase[p]._value.get() for p in ("forward", "backward", "comm_wait"))
         assert forward >= 0.01
         assert comm == pytest.approx(bucket.duration) and comm >= 0.02   # last bucket: the exposed wait
         assert backward >= 0 and backward + comm >= 0.02
         step_seconds = monitor.metrics.step_duration._sum.get()
         assert sum(p._value.get() for p in phase.values()) == pytest.approx(step_seconds, rel=1e-6)
+        assert {e.stream for e in events} == {DEVICE_STREAM}
     finally:
         monitor.close()
 
@@ -307,19 +325,31 @@ def test_reducer_mode_without_ddp_timers_fails_at_watch(tmp_path, monkeypatch):
     """comm_timing=reducer reads DDP's private runtime-logging API: if a torch
     release drops it, watch() says so at start-up instead of failing mid-run."""
     import torch
+    from torch.nn.parallel import DistributedDataParallel
 
     from rankscope.monitor import Monitor
 
-    class DdpWithoutTimers(torch.nn.Linear):   # has DDP's public hook API, not its logging API
+    class DdpWithoutTimers(DistributedDataParallel):   # a DDP whose private logging API is gone
+        def __init__(self):
+            torch.nn.Module.__init__(self)   # no process group needed: nothing is reduced here
+            self.module = torch.nn.Linear(2, 2)
+            self._comm_hooks = []
+
         def register_comm_hook(self, state, hook):
             raise AssertionError("reducer mode must not register a hook")
+
+        def _get_ddp_logging_data(self):
+            raise AttributeError("_get_ddp_logging_data")
+
+        def _set_ddp_runtime_logging_sample_rate(self, rate):
+            raise AttributeError("_set_ddp_runtime_logging_sample_rate")
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     monitor = Monitor(exporter="off", metrics_dir=tmp_path, run="no-timers", publish_interval_s=60)
     try:
         with pytest.raises(ConfigError, match="comm_timing=reducer: cannot read DDP's timers.*use comm_timing=hook"):
-            monitor.watch(DdpWithoutTimers(2, 2))
+            monitor.watch(DdpWithoutTimers())
         plain = torch.nn.Linear(2, 2)   # FSDP2, tensor parallel, ...: seen through the flight recorder
         assert monitor.watch(plain) is plain
         with pytest.raises(ConfigError, match="expected a torch.nn.Module"):
@@ -337,7 +367,7 @@ def test_reducer_timing_counts_a_long_backward_as_waiting_not_compute():
     class SampledTimers:
         exposed = 0.002   # the last sample: 2 ms of exposed all-reduce
 
-    timing = ReducerTiming(CollectiveTracker(world_size=2), on_error=lambda: None)
+    timing = ReducerTiming(CollectiveTracker(RankDevice(lambda what, reason: None)), on_error=lambda: None)
     timing.timers = SampledTimers()
     for _ in range(50):
         assert timing.exposed_wait(0.0, 0.012, 0.012) == pytest.approx(0.002)   # usual steps: the sample

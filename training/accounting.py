@@ -109,7 +109,7 @@ class StepAccounting:
         self._under_way = under_way
         self._tracker = tracker
         self._tracing = tracing
-        self._device = device           # device_reads.DeviceReads on CUDA, else None
+        self._device = device           # device.RankDevice: CUDA values and phases are read through it once bound
         self._errors = errors
         self._flush = flush             # publish now (the process may be about to die)
         self._loss = LossTracker(judge.loss_window, judge.loss_ema_alpha, judge.spike_zscore,
@@ -133,23 +133,26 @@ class StepAccounting:
         if exc is not None:
             self._failed(s, t1, exc)
             return
-        self.steps_seen += 1
-        loss, grad = s.loss, s.grad_norm
+        loss, grad, lr = s.loss, s.grad_norm, s.lr
         exposed = 0.0
+        on_device = False
         try:
             comm = s.timer.comm   # the comm_timing strategy (Monitor.watch() may replace it)
             if comm.mode != "off":
                 exposed = self._exposed_wait(comm, s)
                 comm.step_ended()
-            if self._device is not None:
-                loss, grad = self._defer_to_device(s, t1, comm)
+            if self._device.events is not None or self._binds_device(loss, grad, lr):
+                on_device = True
+                loss, grad, lr = self._defer_to_device(s, t1, comm)
         except Exception:
             self._errors.error("step")
+        self.steps_seen += 1   # after the device is bound: rank_info waits for this (rankscope.startup)
         # StepEnded, in this order (a plain tuple: the cheapest thing to build here).
         # A tensor's version counter is kept to tell whether it was modified before it is read.
         ended = (s.number, s.numbered, s.t0, t1, s.samples, s.tokens, s.data_unlogged, s.phase_log, exposed,
                  loss, None if loss is None or type(loss) is float else getattr(loss, "_version", None),
-                 grad, None if grad is None or type(grad) is float else getattr(grad, "_version", None), s.lr)
+                 grad, None if grad is None or type(grad) is float else getattr(grad, "_version", None), lr,
+                 on_device)
         if len(self._ended) < MAX_PENDING_STEPS:
             self._ended.append(ended)
         else:
@@ -161,21 +164,37 @@ class StepAccounting:
         backward = sum(b - a for name, a, b in s.phase_log if name == "backward")
         return comm.exposed_wait(s.backward_start, s.backward_end, backward)
 
-    def _defer_to_device(self, s: Any, t1: float, comm: Any) -> tuple[Any, Any]:
-        """CUDA: queue the phase events and the values' copies now, on the training thread's stream."""
+    def _binds_device(self, *observed: Any) -> bool:
+        """A rank whose CUDA device was not known (``Monitor()`` without one, no CUDA model
+        watched) learns it from the first CUDA value it observes: from this step on, its
+        values and phases are read from the device, never with a sync."""
+        for value in observed:
+            if value is None or type(value) is float:
+                continue
+            device = _cuda_device(value)
+            if device is not None:
+                return self._device.bind(device)
+        return False
+
+    def _defer_to_device(self, s: Any, t1: float, comm: Any) -> tuple[Any, Any, Any]:
+        """CUDA: queue the phase events and the values' copies now, on the device's stream."""
         duration = t1 - s.t0
         data = s.data_unlogged + sum(b - a for name, a, b in s.phase_log if name == "data")
-        self._device.defer_step(DeviceStep(duration, data, s.device_phases, comm.last_device_bucket()))
+        reads = self._device.reads
+        reads.defer_step(DeviceStep(duration, data, s.device_phases, comm.last_device_bucket()))
         context = _context(s, duration) if self._tracing.enabled else None
-        return self._defer_value("loss", s.loss, context), self._defer_value("grad_norm", s.grad_norm, context)
+        return (self._defer_value(reads, "loss", s.loss, context),
+                self._defer_value(reads, "grad_norm", s.grad_norm, context),
+                self._defer_value(reads, "lr", s.lr, context))
 
-    def _defer_value(self, what: str, value: Any, context: TraceContext | None) -> Any:
-        """A device tensor goes to the device reads (None is left); anything else is read later."""
-        if value is None or not getattr(value, "is_cuda", False):
+    def _defer_value(self, reads: Any, what: str, value: Any, context: TraceContext | None) -> Any:
+        """A device tensor (or a sequence holding one) is reduced here, on the training thread,
+        and goes to the device reads (None is left); anything else is read later."""
+        if value is None or type(value) is float or _cuda_device(value) is None:
             return value
         number = self._reduce(what, value)
         if number is not None:
-            self._device.defer_value("loss" if what == "loss" else "grad", number, context)
+            reads.defer_value(what, number, context)
         return None
 
     def _reduce(self, what: str, value: Any) -> Any:
@@ -269,11 +288,11 @@ class StepAccounting:
 
     def _absorb_one(self, ended: tuple, to_unix: float) -> None:
         (number, numbered, t0, t1, samples, tokens, data_unlogged, log, exposed,
-         loss, loss_version, grad, grad_version, lr) = ended
+         loss, loss_version, grad, grad_version, lr, on_device) = ended
         duration = t1 - t0
         waits = [b - a for name, a, b in log if name == "data"]
         data = data_unlogged + sum(waits)
-        phases = self._phases(log, data_unlogged, duration, exposed)
+        phases = self._phases(log, data_unlogged, duration, exposed, on_device)
         self._time_use.step(number, numbered, t0, t1, data)
         start_unix = t0 + to_unix
         with self._lock:
@@ -309,13 +328,14 @@ class StepAccounting:
         if self._tracing.enabled and (anomaly or self._tracing.sampled(number)):
             self._trace(TraceContext(number, start_unix, t0, duration, log, samples, tokens), anomaly, loss)
 
-    def _phases(self, log: list, data_unlogged: float, duration: float, exposed: float) -> dict[str, float]:
+    def _phases(self, log: list, data_unlogged: float, duration: float, exposed: float,
+                on_device: bool) -> dict[str, float]:
         """Seconds per phase from the step's log; on CUDA only the data wait (the rest comes from events)."""
         phases = dict.fromkeys(PHASES, 0.0)
         phases["data"] = data_unlogged
         for name, a, b in log:
             phases[name] += b - a
-        if self._device is not None:
+        if on_device:
             return dict.fromkeys(PHASES, 0.0) | {"data": phases["data"]}
         exposed = min(exposed, phases["backward"])
         phases["backward"] -= exposed
@@ -335,7 +355,9 @@ class StepAccounting:
             return None
         if isinstance(number, float):
             return number
-        return float(number.item())   # a device lr: rare, and not worth a deferred read
+        # A device value that was not deferred (a step that failed to defer it): never read with a sync.
+        self._errors.drop("value", f"{what}: a CUDA value the device reads did not take")
+        return None
 
     # -- judging (publisher thread, under the lock, every value exactly once) --------
     def _judge_loss(self, loss: float, acc: Accumulator) -> str:
@@ -363,8 +385,11 @@ class StepAccounting:
 
     # -- publisher thread: values and phases the device has finished ---------------
     def device_value_ready(self, what: str, number: float, step: TraceContext | None) -> None:
-        """A CUDA ``loss`` or ``grad`` value, read once the device was done with it."""
+        """A CUDA ``loss``, ``grad_norm`` or ``lr`` value, read once the device was done with it."""
         with self._lock:
+            if what == "lr":
+                self._acc.lr = number
+                return
             judge = self._judge_loss if what == "loss" else self._judge_grad
             anomaly = judge(number, self._acc)
         if anomaly and step is not None:
@@ -390,6 +415,17 @@ class StepAccounting:
 def _context(s: Any, duration: float) -> TraceContext:
     start_unix = time.time() - (time.perf_counter() - s.t0)
     return TraceContext(s.number, start_unix, s.t0, duration, s.phase_log, s.samples, s.tokens)
+
+
+def _cuda_device(value: Any) -> Any:
+    """The device of a CUDA tensor, or of the first one in a list or tuple; None otherwise."""
+    if getattr(value, "is_cuda", False):
+        return value.device
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            if getattr(item, "is_cuda", False):
+                return item.device
+    return None
 
 
 def _is_oom(exc: BaseException) -> bool:

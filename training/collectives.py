@@ -5,9 +5,10 @@ Two clocks, chosen per tensor:
 * CPU tensors (gloo): wall clock from launch to completion. The completion
   callback runs when gloo finishes the work.
 * CUDA tensors (NCCL): an NCCL future completes when the work is *enqueued*,
-  so wall clock measures nothing. A start event is recorded on the current
-  stream before launch and an end event inside the completion callback, whose
-  current stream torch synchronises with the collective's kernels. The pair
+  so wall clock measures nothing. A start event is recorded on the rank
+  device's current stream before launch and an end event inside the completion
+  callback, whose current stream (of that device) torch synchronises with the
+  collective's kernels (rankscope.device: never another device's stream). The pair
   is read later with ``event.query()`` (by the background publisher), never
   with ``synchronize()``; until then the collective counts as in flight.
 
@@ -25,9 +26,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from rankscope.contract.catalog import COLLECTIVE_OPS
+from rankscope.device import RankDevice
 
 MAX_PENDING = 4096  # completed-but-unpublished records kept before dropping
 
@@ -57,22 +59,6 @@ class _DeviceSpan:
         self.duration: float | None = None   # seconds, once read
 
 
-class EventPool:
-    """Reuses CUDA timing events: creating one per collective would allocate on the hot path."""
-
-    def __init__(self, factory: Callable[[], Any], size: int = 256):
-        self._factory = factory
-        self._free: list[Any] = []
-        self._size = size
-
-    def get(self):
-        return self._free.pop() if self._free else self._factory()
-
-    def put(self, event) -> None:
-        if len(self._free) < self._size:
-            self._free.append(event)
-
-
 class CollectiveTracker:
     """Knows which collectives are in flight and buffers completed ones.
 
@@ -81,15 +67,14 @@ class CollectiveTracker:
     here are atomic under the GIL, so no lock is taken on the hot path.
     """
 
-    def __init__(self, world_size: int, event_factory: Callable[[], Any] | None = None):
-        self.world_size = world_size
+    def __init__(self, device: RankDevice):
+        self.device = device   # its events are None until the rank's CUDA device is known
         self._tokens = itertools.count()
         self._in_flight: dict[int, tuple[str, float]] = {}   # token -> (op, unix start)
         self.completed: deque[CollectiveRecord] = deque(maxlen=MAX_PENDING)
         self.recent: deque[CollectiveRecord] = deque(maxlen=256)   # for traces of the current step
         self.dropped = 0
         self._device: deque[_DeviceSpan] = deque()
-        self.events = EventPool(event_factory) if event_factory else None   # CUDA only
         self._drain_lock = threading.Lock()
 
     # -- host (wall clock) ------------------------------------------------
@@ -114,17 +99,20 @@ class CollectiveTracker:
 
     # -- device (CUDA events) ---------------------------------------------
     def begin_device(self, op: str, nbytes: int, bucket: int = -1) -> _DeviceSpan:
+        device = self.device
         token = next(self._tokens)
         start = time.time()
         self._in_flight[token] = (op, start)
-        start_event = self.events.get()
-        start_event.record()
+        start_event = device.events.get()
+        start_event.record(device.stream())
         return _DeviceSpan(token, op, nbytes, start, bucket, start_event, None)
 
     def end_device(self, span: _DeviceSpan) -> None:
-        """Call on the stream that is synchronised with the collective's completion."""
-        span.end_event = self.events.get()
-        span.end_event.record()
+        """Call where the device's current stream is synchronised with the collective's completion
+        (a comm hook's completion callback; after a blocking collective, the caller's stream)."""
+        device = self.device
+        span.end_event = device.events.get()
+        span.end_event.record(device.stream())
         self._device.append(span)
 
     def poll_device(self) -> int:
@@ -136,8 +124,8 @@ class CollectiveTracker:
                 span.duration = span.start_event.elapsed_time(span.end_event) / 1000.0
                 self._in_flight.pop(span.token, None)
                 self._record(CollectiveRecord(span.op, span.nbytes, span.start_unix, span.duration, span.bucket))
-                self.events.put(span.start_event)
-                self.events.put(span.end_event)
+                self.device.events.put(span.start_event)
+                self.device.events.put(span.end_event)
                 done += 1
         return done
 

@@ -22,17 +22,36 @@ Strategies:
 * ``CommTiming`` (``off``): nothing is timed.
 
 ``auto`` is the hook on CUDA and the reducer timers on CPU.
+
+The hook must never change what DDP computes (tests/test_same_weights.py
+checks the weights bit for bit):
+
+* it reduces over the model's own process group (``process_group=`` or
+  ``device_mesh=``, read when each bucket is reduced), never the world, and
+  scales each bucket exactly as DDP's built-in reduction does (a multiply by
+  the reciprocal of the group's size, not a division: the two differ in the
+  last bit for group sizes that are not powers of two);
+* DDP takes one comm hook per model. A model that already has one (the
+  user's PowerSGD or bf16 compression, DDP's own for ``mixed_precision=``)
+  is timed by DDP's timers instead (said once); a hook the user registers
+  *after* ``watch()`` runs inside rankscope's, which times it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
 from rankscope.collectives import CollectiveRecord, CollectiveTracker
 from rankscope.contract.environment import ConfigError
 
+log = logging.getLogger("rankscope")
+
 REDUCER_SAMPLE_EVERY = 10   # steps between reads of DDP's own communication timers
+# On CUDA DDP's timer synchronises on the events of each sampled iteration: keep DDP's own
+# default rate there rather than adding syncs.
+REDUCER_SAMPLE_EVERY_CUDA = 100
 UNUSUAL_BACKWARD_FACTOR = 2.0   # a backward this many times the usual one waited for a peer on this step
 
 
@@ -76,10 +95,24 @@ class HookTiming(CommTiming):
         self.on_error = on_error
         self.last_launch = 0.0        # perf_counter of the step's latest bucket launch (CPU clock)
         self.last_device_span: Any = None
+        self.inner: tuple[Callable, Any] | None = None   # (hook, state) the user registers after watch()
 
     def attach(self, model: Any) -> None:
         super().attach(model)
-        model.register_comm_hook(None, ddp_timing_hook(self))
+        model.register_comm_hook(model.process_group, ddp_timing_hook(self))
+        # DDP takes one hook: one registered later becomes the hook the timing hook runs.
+        model.register_comm_hook = self._register_inner
+        model._register_builtin_comm_hook = _builtin_after_watch
+
+    def _register_inner(self, state: object, hook: Callable) -> None:
+        model = self.model
+        if self.inner is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        model._check_comm_hook(hook)
+        if model.logger is not None:
+            model.logger._set_comm_hook_name(hook.__qualname__)
+        model._comm_hooks.append((hook, state))
+        self.inner = (hook, state)
 
     def step_started(self) -> None:
         self.last_launch = 0.0
@@ -114,7 +147,8 @@ class ReducerTiming(CommTiming):
     def attach(self, model: Any) -> None:
         super().attach(model)
         try:
-            self.timers = ReducerTimers(model)
+            on_cuda = any(p.is_cuda for p in model.parameters())
+            self.timers = ReducerTimers(model, REDUCER_SAMPLE_EVERY_CUDA if on_cuda else REDUCER_SAMPLE_EVERY)
         except Exception as e:   # DDP's private logging API moved: say so now, not mid-training
             import torch
 
@@ -148,12 +182,35 @@ class ReducerTiming(CommTiming):
             self.on_error()
 
 
+def is_ddp(model: Any) -> bool:
+    """Whether ``model`` is a DistributedDataParallel (FSDP1 has a ``register_comm_hook`` too,
+    with another hook signature: it is read through the flight recorder, like FSDP2)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel)
+
+
+def existing_hook(model: Any) -> str | None:
+    """The comm hook a DDP model already has (its name), or None."""
+    if getattr(model, "_comm_hooks", None):
+        hook = model._comm_hooks[0][0]
+        return getattr(hook, "__qualname__", repr(hook))
+    try:   # a built-in hook (register_builtin_comm_hook) is only in DDP's logging data
+        return model._get_ddp_logging_data().get("comm_hook") or None
+    except Exception:
+        return None
+
+
 def choose(mode: str, model: Any, tracker: CollectiveTracker, on_error: Callable[[], None]) -> CommTiming:
-    """The strategy for ``mode`` (one of config.COMM_TIMING_MODES), attached to ``model``."""
-    if mode != "off" and not hasattr(model, "register_comm_hook"):
-        raise ConfigError("watch(): expected a DistributedDataParallel model")
+    """The strategy for ``mode`` (one of config.COMM_TIMING_MODES), attached to a DDP ``model``."""
     if mode == "auto":
         mode = "hook" if any(p.is_cuda for p in model.parameters()) else "reducer"
+    if mode == "hook":
+        hook = existing_hook(model)
+        if hook is not None:
+            log.warning("rankscope: this DDP model already has a comm hook (%s), and DDP takes one: its "
+                        "all-reduces are timed by DDP's own timers (comm_timing=reducer) instead", hook)
+            mode = "reducer"
     strategy = {"off": CommTiming, "hook": HookTiming, "reducer": ReducerTiming}[mode]
     timing = strategy() if strategy is CommTiming else strategy(tracker, on_error)
     timing.attach(model)
@@ -202,46 +259,67 @@ class ReducerTimers:
                                 comm_ns / 1e9)
 
 
-def ddp_timing_hook(timing: HookTiming):
-    """A DDP comm hook that all-reduces each bucket exactly as DDP's default
-    (divide by world size, sum) and times it.
+def _builtin_after_watch(comm_hook_type: Any) -> None:
+    raise RuntimeError(f"register_builtin_comm_hook({comm_hook_type}) after rankscope's watch(): DDP takes one "
+                       "comm hook and rankscope's times this model's all-reduces. Register it before watch() "
+                       "(rankscope then reads DDP's own timers), or use a Python hook (register_comm_hook), "
+                       "which rankscope's runs and times.")
 
-    Registering any Python hook replaces DDP's fused C++ division with the
-    explicit ``div_`` below: that pass is the hook's main cost on CPU
-    (see README, Performance).
-    """
+
+def allreduce_like_ddp(model: Any, bucket: Any) -> Any:
+    """What DDP does with a bucket when it has no hook: scale by 1 / the size of the model's
+    group, then sum over that group. The reciprocal multiply is DDP's built-in one (its
+    reducer scales by a wrapped scalar 1.0 / size while copying gradients into the bucket),
+    so the result is the same to the last bit. The future's value is ``[bucket]``."""
     import torch.distributed as dist
 
-    tracker, on_error = timing.tracker, timing.on_error
+    group = model.process_group   # read now: DDP's _update_process_group may have replaced it
+    buf = bucket.buffer()
+    buf.mul_(1.0 / group.size())
+    return dist.all_reduce(buf, group=group, async_op=True).get_future()
 
-    def hook(process_group, bucket):
-        group = process_group if process_group is not None else dist.group.WORLD
+
+def ddp_timing_hook(timing: HookTiming):
+    """A DDP comm hook that reduces each bucket as DDP would without rankscope (its default
+    all-reduce, or the hook the user registered after ``watch()``) and times it, from launch
+    to completion.
+
+    Registering any Python hook replaces DDP's fused C++ scaling with the explicit
+    ``mul_`` of ``allreduce_like_ddp``: that pass is the hook's main cost on CPU
+    (docs/performance.md).
+    """
+    tracker, on_error, model = timing.tracker, timing.on_error, timing.model
+    device = tracker.device
+
+    def hook(state, bucket):
         buf = bucket.buffer()
-        buf.div_(group.size())
         nbytes = buf.numel() * buf.element_size()
         index = bucket.index()
+        inner = timing.inner
         timing.last_launch = time.perf_counter()
-        if buf.is_cuda:
-            span = tracker.begin_device("all_reduce", nbytes, index)
-            timing.last_device_span = span
-            fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+        span = token = None
+        try:
+            if not buf.is_cuda:
+                token, t0, start = tracker.begin("all_reduce")
+            elif device.events is not None and device.owns(buf):
+                span = tracker.begin_device("all_reduce", nbytes, index)
+        except Exception:  # telemetry must never fail the backward pass
+            on_error()
+        timing.last_device_span = span
+        # The user's hook returns a future of the bucket; DDP's all-reduce one of [bucket].
+        fut = allreduce_like_ddp(model, bucket) if inner is None else inner[0](inner[1], bucket)
+        unwrap = inner is None
 
-            def done(f):
-                try:
+        def done(f):
+            try:
+                if span is not None:
                     tracker.end_device(span)
-                except Exception:  # telemetry must never fail the backward pass
-                    on_error()
-                return f.value()[0]
-        else:
-            token, t0, start = tracker.begin("all_reduce")
-            fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
-
-            def done(f):
-                try:
+                elif token is not None:
                     tracker.end(token, "all_reduce", nbytes, t0, start, index)
-                except Exception:
-                    on_error()
-                return f.value()[0]
+            except Exception:
+                on_error()
+            value = f.value()
+            return value[0] if unwrap else value
 
         return fut.then(done)
 

@@ -6,8 +6,8 @@ recorded after the copy; a step's phases are bracketed by event pairs. The
 publisher thread checks the events with ``query()`` and reads what is ready,
 in order. Nothing here calls ``synchronize()``.
 
-Both queues are bounded; an entry evicted before it was read is counted as a
-drop (``device_value`` / ``device_step``).
+Both queues are bounded; what arrives while one is full is counted as a drop
+(``device_value`` / ``device_step``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ MAX_FREE_PINNED = 64   # per dtype: more than the values in flight at once
 
 @dataclass(slots=True)
 class DeviceValue:
-    what: str            # "loss" or "grad"
+    what: str            # "loss", "grad_norm" or "lr"
     host: Any            # pinned 0-d tensor the value is copied into
     ready: Any           # event recorded after the copy (from the event pool)
     step: Any            # the step's trace context (steps.TraceContext), or None
@@ -41,9 +41,10 @@ class DeviceStep:
 
 
 class DeviceReads:
-    def __init__(self, events: Any, on_drop: Callable[[str, str], None]):
-        self.events = events                 # the CUDA event pool (collectives.EventPool)
+    def __init__(self, events: Any, on_drop: Callable[[str, str], None], device: Any = None):
+        self.events = events                 # the CUDA event pool (device.EventPool)
         self._on_drop = on_drop
+        self._device = device                # device.RankDevice: whose stream the copies are ordered on
         self._values: deque[DeviceValue] = deque()
         self._steps: deque[DeviceStep] = deque()
         # dtype -> pinned buffers whose value was read (appended by the publisher, popped by the training thread)
@@ -51,11 +52,20 @@ class DeviceReads:
 
     # -- training thread -------------------------------------------------------
     def defer_value(self, what: str, tensor: Any, step: Any) -> None:
+        """Copy a 0-d tensor of the rank's device to pinned memory; ``ready`` is recorded on the
+        same stream as the copy (that device's current one), so it completes only once the copy has."""
+        device = self._device
+        if not device.owns(tensor):
+            self._on_drop("value", f"{what} is on cuda:{tensor.get_device()}, the monitor times cuda:{device.index}:"
+                                   " give Monitor(device=...) the rank's own GPU")
+            return
+        if not self._room(self._values, "device_value"):
+            return
         host = self._pinned(tensor.dtype)
         host.copy_(tensor, non_blocking=True)
         ready = self.events.get()
-        ready.record()
-        self._push(self._values, DeviceValue(what, host, ready, step), "device_value")
+        ready.record(device.stream())
+        self._values.append(DeviceValue(what, host, ready, step))
 
     def _pinned(self, dtype: Any) -> Any:
         """A pinned 0-d buffer, reused once its value has been read: no allocation per step."""
@@ -67,17 +77,17 @@ class DeviceReads:
         return torch.empty((), dtype=dtype, pin_memory=True)
 
     def defer_step(self, step: DeviceStep) -> None:
-        self._push(self._steps, step, "device_step")
+        if self._room(self._steps, "device_step"):
+            self._steps.append(step)
 
-    def _push(self, queue: deque, item: Any, what: str) -> None:
-        if len(queue) >= MAX_PENDING:
-            try:
-                queue.popleft()
-            except IndexError:   # the publisher emptied it meanwhile
-                pass
-            else:
-                self._on_drop(what, f"more than {MAX_PENDING} waiting for the device")
-        queue.append(item)
+    def _room(self, queue: deque, what: str) -> bool:
+        """Whether one more fits. A full queue drops the newcomer, counted: only the publisher
+        takes from a queue, so an entry it is reading is never taken from under it (and a
+        buffer whose copy is pending never goes back to the pool)."""
+        if len(queue) < MAX_PENDING:
+            return True
+        self._on_drop(what, f"more than {MAX_PENDING} waiting for the device")
+        return False
 
     # -- publisher thread ------------------------------------------------------
     def ready_values(self) -> list[tuple[str, float, Any]]:

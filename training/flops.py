@@ -64,15 +64,34 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
     "H200 SXM": {"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12},
     # Same datasheet, H200 NVL column: FP32 60 TF, TF32 835 TF*, BF16/FP16 1,671 TF*, FP8 3,341 TF*.
     "H200 NVL": {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12, "fp8": 1670.5e12},
+    # The Hopper parts that differ from the H100 in what they export, not in compute:
+    # H800 (SXM / PCIe: the H100's interconnect cut, its tensor cores not) and the GH200
+    # superchip's GPU (GH200 datasheet: FP8 3,958 TF*, BF16/FP16 1,979 TF*, TF32 989 TF*: the
+    # H100 SXM's figures).
+    "H800 SXM": {"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12},
+    "H800 PCIe": {"fp32": 51.2e12, "tf32": 378e12, "bf16": 756.5e12, "fp16": 756.5e12, "fp8": 1513e12},
+    "GH200": {"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12},
+    # H20 (a Hopper part with 78 SMs for the Chinese market): FP32 44 TF, TF32 74 TF, BF16/FP16
+    # 148 TF, FP8 296 TF, dense (NVIDIA publishes no English datasheet; these are the figures
+    # its partners quote).
+    "H20": {"fp32": 44e12, "tf32": 74e12, "bf16": 148e12, "fp16": 148e12, "fp8": 296e12},
     # NVIDIA HGX B200 specifications (8 GPUs; per GPU = 1/8): FP32 600 TF, TF32 18 PF*,
     # FP16/BF16 36 PF*, FP8 72 PF* -> per GPU dense: TF32 1.125 PF, BF16 2.25 PF, FP8 4.5 PF.
     "B200": {"fp32": 75e12, "tf32": 1.125e15, "bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15},
     # NVIDIA GB200 NVL72 specifications (72 GPUs; per GPU = 1/72): FP32 5,760 TF, TF32 180 PF*,
     # FP16/BF16 360 PF*, FP8 720 PF* -> per GPU dense: TF32 1.25 PF, BF16 2.5 PF, FP8 5 PF.
     "GB200": {"fp32": 80e12, "tf32": 1.25e15, "bf16": 2.5e15, "fp16": 2.5e15, "fp8": 5e15},
+    # Blackwell Ultra. HGX B300 NVL16 specifications (8 GPUs of two dies each; per GPU = 1/8):
+    # FP32 600 TF, TF32 18 PF*, FP16/BF16 36 PF*, FP8 72 PF*: the B200's, except FP4 and FP64.
+    # GB300 NVL72 keeps the GB200 NVL72's FP8 and BF16 figures. Both: medium confidence (no
+    # per-GPU datasheet yet); RANKSCOPE_PEAK_FLOPS wins if you know better.
+    "B300": {"fp32": 75e12, "tf32": 1.125e15, "bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15},
+    "GB300": {"fp32": 80e12, "tf32": 1.25e15, "bf16": 2.5e15, "fp16": 2.5e15, "fp8": 5e15},
     # NVIDIA A100 Tensor Core GPU datasheet: the same peaks for SXM4 and PCIe, 40 GB and 80 GB:
-    # FP32 19.5 TF, TF32 156 TF (312*), BF16/FP16 312 TF (624*). No FP8.
+    # FP32 19.5 TF, TF32 156 TF (312*), BF16/FP16 312 TF (624*). No FP8. The A800 is an A100
+    # with NVLink cut to 400 GB/s: the same compute.
     "A100": {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+    "A800": {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
     # NVIDIA A10 Tensor Core GPU datasheet: FP32 31.2 TF, TF32 62.5 TF (125*), BF16/FP16 125 TF (250*).
     "A10": {"fp32": 31.2e12, "tf32": 62.5e12, "bf16": 125e12, "fp16": 125e12},
     # The A10G (AWS G5) has no public NVIDIA datasheet; it is an A10 variant and AWS quotes the
@@ -112,9 +131,16 @@ _MATCH: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("h100", (), "H100 SXM"),          # "NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM5 80GB"
     ("h200", ("nvl",), "H200 NVL"),
     ("h200", (), "H200 SXM"),          # "NVIDIA H200"
+    ("h800", ("pcie",), "H800 PCIe"),
+    ("h800", (), "H800 SXM"),          # "NVIDIA H800"
+    ("gh200", (), "GH200"),            # "NVIDIA GH200 480GB" ("gh200" is its own word: not an H200)
+    ("h20", (), "H20"),                # "NVIDIA H20" ("h20" is not a part of "h200": words are whole)
     ("gb200", (), "GB200"),
     ("b200", (), "B200"),
+    ("gb300", (), "GB300"),
+    ("b300", (), "B300"),              # "NVIDIA B300 SXM6 AC"
     ("a100", (), "A100"),              # "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe", ...
+    ("a800", (), "A800"),              # "NVIDIA A800-SXM4-80GB"
     ("a10g", (), "A10G"),
     ("a10", (), "A10"),
     ("l40s", (), "L40S"),
@@ -162,14 +188,34 @@ def normalise_dtype(dtype: Any) -> str | None:
     return text if text in DTYPES else None
 
 
-def lookup_peak_flops(gpu_name: str | None, dtype: str = "bf16") -> float | None:
+# Streaming multiprocessors of the whole GPU, for the parts that can be split by MIG: a
+# MIG instance reaches the peak in proportion to the SMs it was given (torch reports
+# its count as the device's multi_processor_count).
+FULL_SM_COUNT: dict[str, int] = {
+    "H100 SXM": 132, "H100 PCIe": 114, "H100 NVL": 132, "H200 SXM": 132, "H200 NVL": 132, "H800 SXM": 132,
+    "H800 PCIe": 114, "GH200": 132, "H20": 78, "A100": 108, "A800": 108, "B200": 148, "GB200": 152,
+}
+MIG_COMPUTE_SLICES = 7   # the compute slices of a MIG-capable GPU: "MIG 3g.40gb" has 3 of them
+
+
+def lookup_peak_flops(gpu_name: str | None, dtype: str = "bf16", sm_count: int = 0) -> float | None:
     """Dense peak FLOP/s of the GPU called ``gpu_name`` for ``dtype``; None when the
-    GPU is not in the table (MFU is then absent) or has no peak for that dtype."""
+    GPU is not in the table (MFU is then absent) or has no peak for that dtype.
+
+    A MIG instance ("NVIDIA H100 80GB HBM3 MIG 1g.10gb") has its share of the GPU's
+    peak: its ``sm_count`` over the whole GPU's, else its compute slices over seven."""
     entry = canonical_gpu(gpu_name)
     key = normalise_dtype(dtype)
     if entry is None or key is None:
         return None
-    return PEAK_FLOPS[entry].get(key)
+    peak = PEAK_FLOPS[entry].get(key)
+    if peak is None or "mig" not in re.split(r"[^a-z0-9]+", str(gpu_name).lower()):
+        return peak
+    full = FULL_SM_COUNT.get(entry)
+    if sm_count > 0 and full:
+        return peak * min(sm_count / full, 1.0)
+    slices = re.search(r"\bmig\s+(\d)g\b", str(gpu_name).lower())
+    return peak * int(slices.group(1)) / MIG_COMPUTE_SLICES if slices else None
 
 
 def flops_per_token(model_params: float, *, attention_layers: int | None = None, model_width: int | None = None,
@@ -306,14 +352,15 @@ class FlopsConfig:
             return float(self.flops_per_sample) * samples
         return None
 
-    def peak(self, gpu_name: str | None, device_type: str = "cuda") -> float | None:
-        """Peak FLOP/s of the rank's device for this dtype: the user's figure, else the table's;
-        None on a CPU (or any device that is not a GPU) and on a GPU the table does not know."""
+    def peak(self, gpu_name: str | None, device_type: str = "cuda", sm_count: int = 0) -> float | None:
+        """Peak FLOP/s of the rank's device for this dtype: the user's figure, else the table's
+        (a MIG instance's share of it); None on a CPU (or any device that is not a GPU) and on
+        a GPU the table does not know."""
         if device_type != "cuda":
             return None
         if self.peak_flops is not None:
             return float(self.peak_flops)
-        return lookup_peak_flops(gpu_name, self.dtype)
+        return lookup_peak_flops(gpu_name, self.dtype, sm_count)
 
 
 ENV_VARIABLES: tuple[str, ...] = tuple(

@@ -71,22 +71,32 @@ def _cgroup_limit_files(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sy
 
 
 class MemorySampler:
+    """Reads the rank's memory: its CUDA device's (``device.RankDevice``, once known, by its
+    explicit index: this runs on the publisher thread, whose current device is always 0) and
+    the host's."""
+
     def __init__(self, device):
         self.device = device
-        self.cuda = device is not None and getattr(device, "type", "") == "cuda"
-        self.total = 0.0
-        if self.cuda:
-            import torch
-
-            self.total = float(torch.cuda.get_device_properties(device).total_memory)
         self.host_limit = host_limit_bytes()
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.cuda
+
+    def total(self) -> float:
+        """The device's memory in bytes; 0 before a CUDA device is known."""
+        if not self.device.cuda:
+            return 0.0
+        import torch
+
+        return float(torch.cuda.get_device_properties(self.device.index).total_memory)
 
     def read(self) -> MemoryReading:
         reading = MemoryReading(rss=rss_bytes())
-        if self.cuda:
+        if self.device.cuda:
             import torch
 
-            stats = torch.cuda.memory_stats(self.device)
+            stats = torch.cuda.memory_stats(self.device.index)
             reading.allocated = float(stats.get("allocated_bytes.all.current", 0))
             reading.reserved = float(stats.get("reserved_bytes.all.current", 0))
             reading.peak = float(stats.get("allocated_bytes.all.peak", 0))

@@ -167,13 +167,17 @@ class RankMetrics:
     def bind(self, name: str):
         return self._metrics[name].labels(**self.identity)
 
-    def bind_flops(self, counts_flops: bool, peak: float | None) -> None:
-        """The MFU series: model FLOPs if a figure was given, the device's peak if it is known."""
-        with mmap_values(self.directory):
-            if counts_flops:
+    def bind_flops(self, counts_flops: bool) -> None:
+        """The MFU's numerator: model FLOPs, if a figure was given."""
+        if counts_flops:
+            with mmap_values(self.directory):
                 self.model_flops = self.bind("rankscope_model_flops_total")
                 self.model_flops.inc(0)
-            if peak is not None:
+
+    def bind_peak_flops(self, peak: float | None) -> None:
+        """The MFU's denominator: the device's peak, once the device is known and if its peak is."""
+        if peak is not None:
+            with mmap_values(self.directory):
                 self.peak_flops = self.bind("rankscope_device_peak_flops")
                 self.peak_flops.set(peak)
 

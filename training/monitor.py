@@ -2,7 +2,7 @@
 
     from rankscope import Monitor
 
-    monitor = Monitor()                                   # reads torchrun's environment
+    monitor = Monitor(device=device)                      # reads torchrun's environment
     model = monitor.watch(DDP(model))                     # times the gradient all-reduces
     for x, y in monitor.data(loader):                     # measures data wait
         with monitor.step(samples=len(x)) as step:
@@ -20,6 +20,7 @@ does one job (docs/design.md, "The rank side"):
     steps.StepTimer          step and phase clocks, data wait
     accounting.StepAccounting  what a finished step adds up to; divergence judging
     comm_timing              how DDP's all-reduces are timed (hook, reducer, off)
+    device.RankDevice        the rank's CUDA device, its streams and event pool, once known
     device_reads.DeviceReads CUDA values and timings, read when the device is done
     publisher.Publisher      the thread that writes the metric files
     user_metrics.UserMetrics the user's own metrics
@@ -46,7 +47,7 @@ from rankscope.config import MonitorConfig
 from rankscope.contract.catalog import STEP_BUCKETS
 from rankscope.contract.environment import ConfigError
 from rankscope.contract.rundir import run_slug
-from rankscope.device_reads import DeviceReads
+from rankscope.device import RankDevice, first_cuda_device
 from rankscope.errors import TelemetryErrors
 from rankscope.errors import UsageError
 from rankscope.flight_recorder import FlightRecorder
@@ -75,7 +76,6 @@ class Monitor:
         # FLOPs per token or sample, for MFU (rankscope.flops; RANKSCOPE_MODEL_PARAMS and friends)
         self.flops = flops if flops is not None else FlopsConfig.from_env()
         self.identity = RankIdentity.from_env(self.config.run)
-        self.device = device
         self.run_dir = self.config.metrics_dir / run_slug(self.identity.run)
         self.errors = TelemetryErrors()
         # Everything that can reject the configuration runs before anything is started.
@@ -83,12 +83,12 @@ class Monitor:
         self.sink = sinks.build(self.config, self.identity, self.errors)   # rank 0's TensorBoard / MLflow run
         _claim(self)
         try:
-            self._start(backend)
+            self._start(backend, device)
         except BaseException:
             _release(self)
             raise
 
-    def _start(self, backend: str | None) -> None:
+    def _start(self, backend: str | None, device: Any) -> None:
         cfg = self.config
         self.registration = prepare_run_dir(self.run_dir, self.identity)
         self._progress = Progress(self.run_dir, self.identity.rank)
@@ -101,31 +101,35 @@ class Monitor:
             from rankscope.launch import ensure_exporter
 
             ensure_exporter(cfg.metrics_addr, cfg.metrics_port, cfg.metrics_dir, cfg.exporter)
-        self.tracker = CollectiveTracker(self.identity.world_size, _cuda_event_factory(self.device))
+        # The CUDA device: given, else learnt from the model watch() sees or the first CUDA value.
+        self.device = RankDevice(self.errors.drop)
+        try:
+            self.device.bind(device)
+        except (RuntimeError, AssertionError, TypeError) as e:   # not a device, or no CUDA here
+            raise ConfigError(f"device: {device!r} cannot be used: {e}") from None
+        self.tracker = CollectiveTracker(self.device)
         self.comm: comm_timing.CommTiming = comm_timing.CommTiming()
-        self.device_reads = DeviceReads(self.tracker.events, self.errors.drop) if self.tracker.events else None
         judge = JudgeSettings(cfg.loss_window, cfg.loss_ema_alpha, cfg.spike_zscore, cfg.spike_warmup_steps,
                               cfg.grad_spike_factor)
-        self.accounting = StepAccounting(judge, self.tracker, self.tracing, self.device_reads,
+        self.accounting = StepAccounting(judge, self.tracker, self.tracing, self.device,
                                          self.errors, flush=lambda: self.publisher.flush(),
                                          time_use=TimeUse(process_start_perf(), self._progress.completed),
                                          progress=self._progress,
                                          under_way=lambda: (self.steps.busy_since(), self.steps.open_step_since()))
-        self.steps = StepTimer(self.tracker, self.comm, self.accounting.step_ended, self.errors.drop)
+        self.steps = StepTimer(self.tracker, self.comm, self.accounting.step_ended, self.errors.drop,
+                               lambda: self.errors.error("step"))
         self.user_metrics = UserMetrics(self.metrics, self.errors)
         memory = MemorySampler(self.device)
         rank_info = RankInfo(self.identity, self.device, backend, self.registration, self.run_dir, self.metrics,
                              lambda: self.accounting.steps_seen)
-        self.publisher = Publisher(self.metrics, self.accounting, self.tracker, self.device_reads, memory,
+        self.publisher = Publisher(self.metrics, self.accounting, self.tracker, self.device, memory,
                                    self.tracing, self.errors,
                                    FlightRecorder(self.run_dir, self.identity.rank, cfg.flight_recorder_after_s),
                                    rank_info, cfg.publish_interval_s, cfg.memory_every_s, self.flops)
         self._rank_info = rank_info
         self.process_groups = _process_group_reader(self, cfg.publish_interval_s)
         self.metrics.start_ts.set(self.registration.started_at)
-        self.metrics.mem_total.set(memory.total)
-        self.metrics.bind_flops(self.flops.counts_flops, self.flops.peak(_device_name(self.device),
-                                                                         getattr(self.device, "type", "cpu")))
+        self.metrics.bind_flops(self.flops.counts_flops)   # the device's memory and peak: once it is known
         self.metrics.mem_limit.set(memory.host_limit)
         self._closed = False
         self.publisher.start()
@@ -137,17 +141,22 @@ class Monitor:
         atexit.register(self.close)
 
     def watch(self, model: Any) -> Any:
-        """Returns ``model``. A DistributedDataParallel model also gets its gradient
-        all-reduces timed, as ``comm_timing`` says (``auto``: the comm hook on CUDA,
-        DDP's own timers otherwise).
+        """Returns ``model``, unchanged in what it computes. A DistributedDataParallel model
+        also gets its gradient all-reduces timed, as ``comm_timing`` says (``auto``: the comm
+        hook on CUDA, DDP's own timers otherwise; DDP's timers where the model already has a
+        comm hook of its own).
 
-        Any other model (FSDP2 ``fully_shard``, tensor parallel, a pipeline stage,
+        Any other model (FSDP2 ``fully_shard``, FSDP1, tensor parallel, a pipeline stage,
         a plain module) is returned as it is: every collective of every process
         group is already seen through torch's flight recorder
-        (``rankscope.process_groups``), with no wrapping."""
-        if not hasattr(model, "register_comm_hook"):
-            if not hasattr(model, "parameters"):
-                raise ConfigError(f"watch(): expected a torch.nn.Module, got {type(model).__name__}")
+        (``rankscope.process_groups``), with no wrapping.
+
+        A model on a CUDA device tells a ``Monitor()`` made without one which device
+        to time on."""
+        if not hasattr(model, "parameters"):
+            raise ConfigError(f"watch(): expected a torch.nn.Module, got {type(model).__name__}")
+        self.device.bind(first_cuda_device(model))
+        if not comm_timing.is_ddp(model):
             return model
         self.comm = comm_timing.choose(self.config.comm_timing, model, self.tracker,
                                        lambda: self.errors.error("collectives"))
@@ -230,8 +239,10 @@ class Monitor:
         """
         check_op(op)
         size = tensor_nbytes(tensors) if nbytes is None else nbytes
-        on_cuda = any(getattr(t, "is_cuda", False) for t in tensors)
-        if on_cuda and self.tracker.events is not None:
+        cuda = next((t.device for t in tensors if getattr(t, "is_cuda", False)), None)
+        if cuda is not None:
+            self.device.bind(cuda)   # a Monitor() without a device learns it here at the latest
+        if cuda is not None and self.device.events is not None:
             span = self.tracker.begin_device(op, size)
             try:
                 yield
@@ -349,19 +360,3 @@ def _process_group_reader(monitor: Monitor, interval_s: float):
                               FlightRecorderSource(monitor.run_dir, monitor.identity.rank), max_groups, interval_s,
                               timing=env_value(os.environ, "RANKSCOPE_COLLECTIVE_TIMING", bool, False))
 
-
-def _device_name(device: Any) -> str | None:
-    """The GPU's name as NVML reports it (torch reads the same), for the peak-FLOPS table."""
-    if device is None or getattr(device, "type", "") != "cuda":
-        return None
-    import torch
-
-    return torch.cuda.get_device_name(device)
-
-
-def _cuda_event_factory(device: Any):
-    if device is None or getattr(device, "type", "") != "cuda":
-        return None
-    import torch
-
-    return lambda: torch.cuda.Event(enable_timing=True)

@@ -32,7 +32,7 @@ class Publisher:
         self._flops = flops                # flops.FlopsConfig: model FLOPs of the steps
         self._accounting = accounting
         self._tracker = tracker
-        self._device = device              # device_reads.DeviceReads on CUDA, else None
+        self._device = device              # device.RankDevice: its reads once the rank's CUDA device is known
         self._memory = memory
         self._tracing = tracing
         self._errors = errors
@@ -44,6 +44,7 @@ class Publisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rankscope-publisher", daemon=True)
         self._last_memory = 0.0
+        self._device_described = False    # the CUDA device's memory and peak FLOP/s are written
         self._alloc_retries = 0.0
         self._in_flight_published: dict[str, float] = {}
         self._published = {"spans": 0, "collective": 0}
@@ -96,11 +97,12 @@ class Publisher:
     # -- parts (each writes a few dozen values at most: well under a millisecond) ----
     def _take_steps(self) -> None:
         """The CUDA values and phases the device has finished, then what the steps added up to."""
-        if self._device is not None:
+        reads = self._device.reads
+        if reads is not None:
             self._tracker.poll_device()   # first: device steps need their buckets' durations
-            for what, number, step in self._device.ready_values():
+            for what, number, step in reads.ready_values():
                 self._accounting.device_value_ready(what, number, step)
-            for phases in self._device.ready_steps():
+            for phases in reads.ready_steps():
                 self._accounting.device_phases_ready(phases)
         self._acc = self._accounting.swap()
 
@@ -183,6 +185,10 @@ class Publisher:
         r = self._memory.read()
         m.rss.set(r.rss)
         if self._memory.cuda:
+            if not self._device_described:   # the device may become known after start-up (rankscope.device)
+                self._device_described = True
+                m.mem_total.set(self._memory.total())
+                m.bind_peak_flops(self._flops.peak(self._device.name, "cuda", self._device.sm_count))
             m.mem_allocated.set(r.allocated)
             m.mem_reserved.set(r.reserved)
             m.mem_peak.set(r.peak)

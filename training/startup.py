@@ -56,7 +56,9 @@ def prepare_run_dir(run_dir: Path, identity: RankIdentity) -> Registration:
 
 
 class RankInfo:
-    """Writes rank_info once the backend is known: given, or the process group's, or none at all."""
+    """Writes rank_info once the backend and device are known: the backend given, or the process
+    group's, or none at all; the CUDA device given, or else the one the first step ran on
+    (rankscope.device: a ``Monitor()`` without a device learns it from its model or values)."""
 
     def __init__(self, identity: RankIdentity, device: Any, backend: str | None, registration: Registration,
                  run_dir: Path, metrics: Any, steps_seen: Callable[[], int]):
@@ -67,6 +69,8 @@ class RankInfo:
         self._run_dir = run_dir
         self._metrics = metrics
         self._steps_seen = steps_seen
+        # On a GPU machine a Monitor() without a device may learn it at the first step: wait for it.
+        self._device_may_come = not device.cuda and _cuda_available()
         self._info: dict[str, str] | None = None   # described and saved, once the backend is known
         self.written = False                         # the rank_info series is written
 
@@ -82,8 +86,9 @@ class RankInfo:
         """Describes the rank and saves it with its registration, once the backend is known."""
         if self._info is not None:
             return
+        first_step_done = self._steps_seen() > 0
         backend = self._backend if self._backend is not None else _process_group_backend()
-        if backend is None and not final and self._steps_seen() == 0:
+        if not final and not first_step_done and (backend is None or self._device_may_come and not self._device.cuda):
             return
         info = describe(self._identity, self._device, backend or "")
         self._registration.info = info
@@ -97,12 +102,47 @@ class RankInfo:
             self.written = True
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _process_group_backend() -> str | None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return str(dist.get_backend())
     return None
+
+
+def gpu_uuid(properties: Any) -> str:
+    """The UUID NVML gives the rank's GPU, so that ``rank_info{gpu_uuid}`` joins the exporter's
+    ``rankscope_gpu_*{uuid}``. torch prints it without NVML's prefix. A MIG instance has its own
+    UUID ("MIG-..."), but NVML reads clocks, power and errors of the physical GPU: its parent's
+    UUID is the one that joins (found through NVML once; the instance's own if NVML cannot)."""
+    uuid = str(getattr(properties, "uuid", ""))
+    if not uuid or uuid.startswith(("GPU-", "MIG-")):
+        return uuid
+    if "MIG" not in str(getattr(properties, "name", "")).split():
+        return f"GPU-{uuid}"
+    return _mig_parent_uuid(f"MIG-{uuid}")
+
+
+def _mig_parent_uuid(mig_uuid: str) -> str:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(mig_uuid)
+            parent = pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
+            uuid = pynvml.nvmlDeviceGetUUID(parent)
+            return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return mig_uuid
 
 
 def describe(identity: RankIdentity, device: Any, backend: str) -> dict[str, str]:
@@ -112,11 +152,9 @@ def describe(identity: RankIdentity, device: Any, backend: str) -> dict[str, str
     from rankscope import __version__
 
     name, uuid = "cpu", ""
-    if device is not None and getattr(device, "type", "") == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        name = f"cuda:{index}"
-        uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
-        uuid = uuid if uuid.startswith("GPU-") or not uuid else f"GPU-{uuid}"
+    if device.cuda:   # by its explicit index: this runs on the publisher thread (current device 0)
+        name = f"cuda:{device.index}"
+        uuid = gpu_uuid(torch.cuda.get_device_properties(device.index))
     nccl = ""
     try:
         if torch.cuda.is_available():

@@ -35,9 +35,11 @@ class Phase:
 
     It only appends ``(name, start, end)`` to the step's log: what the phases
     add up to is worked out off the training thread (rankscope.accounting).
-    On a CUDA device it also records an event pair on the current stream: the
-    host returns from forward long before the GPU finishes it, so device
-    phases are measured by events and read later by the publisher."""
+    On a CUDA device it also records an event pair on the rank device's
+    current stream: the host returns from forward long before the GPU finishes
+    it, so device phases are measured by events and read later by the
+    publisher. An event that fails to record is counted, never raised into the
+    loop."""
 
     __slots__ = ("name", "step", "t0", "event", "token", "is_backward")
 
@@ -52,8 +54,12 @@ class Phase:
     def __enter__(self) -> "Phase":
         step = self.step
         if step.events is not None:
-            self.event = step.events.get()
-            self.event.record()
+            try:
+                event = step.events.get()
+                event.record(step.stream)
+                self.event = event
+            except Exception:
+                step.timer.on_error()
         if self.is_backward:
             # A rank blocked in backward may be waiting on its peers' all-reduce.
             op = step.timer.comm.backward_in_flight
@@ -72,9 +78,12 @@ class Phase:
                 step.timer.tracker.unmark(self.token)
                 self.token = -1
         if self.event is not None:
-            end = step.events.get()
-            end.record()
-            step.device_phases.append((self.name, self.event, end))
+            try:
+                end = step.events.get()
+                end.record(step.stream)
+                step.device_phases.append((self.name, self.event, end))
+            except Exception:
+                step.timer.on_error()
             self.event = None
 
     # Without a with-block, for code that only sees events (framework callbacks,
@@ -95,7 +104,8 @@ class Step:
 
     def __init__(self, timer: "StepTimer"):
         self.timer = timer
-        self.events = timer.events   # None unless the device is CUDA
+        self.events: Any = None      # the device's event pool while the step is open, if the rank is on CUDA
+        self.stream: Any = None      # ...and the device's current stream when the step began
         self._phases = {name: Phase(name, self) for name in PHASES}
         self.open = False
         self.number = -1
@@ -170,11 +180,12 @@ class StepTimer:
     """Starts and ends steps, and keeps the data wait between them."""
 
     def __init__(self, tracker: Any, comm: Any, on_end: Callable[[Step, float, BaseException | None], None],
-                 on_drop: Callable[[str, str], None]):
+                 on_drop: Callable[[str, str], None], on_error: Callable[[], None] = lambda: None):
         self.tracker = tracker
+        self.device = tracker.device         # device.RankDevice: CUDA once known
         self.comm = comm                     # comm_timing.CommTiming; replaced by Monitor.watch()
-        self.events = tracker.events
         self.on_drop = on_drop
+        self.on_error = on_error
         self._on_end = on_end
         self.step = Step(self)
         self._next_number = 0
@@ -249,6 +260,9 @@ class StepTimer:
             s.phase_log = []
         if s.device_phases:
             s.device_phases = []
+        events = s.events = self.device.events
+        if events is not None:
+            s.stream = self.device.stream()
         comm = self.comm
         if comm.mode != "off":
             comm.step_started()

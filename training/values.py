@@ -15,8 +15,17 @@ Anything else (a string, a dict, an empty tensor, a bool) is not a number:
 (``rankscope_telemetry_dropped_total{what="value"}``). The step itself is
 always counted.
 
-A CUDA tensor is reduced on its device (the reduction is queued, never waited
-for) and returned as a 0-d tensor for the deferred device reads.
+A CUDA tensor, or a sequence holding one, is reduced on its device on the
+training thread (the reduction is queued, never waited for; floats in the
+sequence join it as kernel arguments, never as a host-to-device copy) and
+returned as a 0-d tensor for the deferred device reads.
+
+A DTensor (FSDP2, tensor parallel) is read from its local part when that part
+is the value: a ``Replicate`` one, or a ``Shard`` of a per-sample loss (the
+rank's own samples). A ``Partial`` one (each rank holds a summand, such as
+``clip_grad_norm_``'s result before ``.full_tensor()``) and a sharded gradient
+norm are not numbers of this rank: reading them would need a collective,
+which rankscope never issues.
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ def read(what: str, value: Any) -> Any:
     if isinstance(value, (float, int)) and not isinstance(value, bool):
         return float(value)
     if hasattr(value, "is_cuda") and hasattr(value, "item"):   # a tensor
+        if type(value).__name__ == "DTensor":
+            value = _local_part(what, value)
         if value.is_cuda:
             return _device_scalar(what, value)
         try:
@@ -83,19 +94,33 @@ def _device_scalar(what: str, tensor: Any) -> Any:
     return flat.norm(2) if what == "grad_norm" else flat.mean()
 
 
+def _local_part(what: str, value: Any) -> Any:
+    """A DTensor's local tensor, where that is this rank's value (see the module docstring)."""
+    placements = tuple(getattr(value, "placements", ()))
+    if any(p.is_partial() for p in placements):
+        raise NotANumber(f"{what}: a DTensor with a Partial placement (each rank holds a summand): "
+                         f"observe {what}.full_tensor()")
+    if what == "grad_norm" and any(p.is_shard() for p in placements):
+        raise NotANumber(f"{what}: a sharded DTensor: observe the total norm ({what}.full_tensor())")
+    return value.to_local()
+
+
 def _read_sequence(what: str, values: list | tuple) -> Any:
     if not values:
         raise NotANumber(f"{what}: an empty {type(values).__name__}")
     if what == "lr":
         return read(what, values[0])
     numbers = [read(what, v) for v in values]
-    on_device = [n for n in numbers if not isinstance(n, float)]
-    if on_device:   # combine on the device, without waiting for it
+    on_host = [n for n in numbers if isinstance(n, float)]
+    if len(on_host) < len(numbers):   # combine on the device, without waiting for it
         import torch
 
+        on_device = [n for n in numbers if not isinstance(n, float)]
         device = on_device[0].device
-        stacked = torch.stack([torch.as_tensor(n, device=device, dtype=torch.float32).reshape(()) for n in numbers])
-        return stacked.norm(2) if what == "grad_norm" else stacked.mean()
+        stacked = torch.stack([n.to(device=device, dtype=torch.float32, non_blocking=True) for n in on_device])
+        if what == "grad_norm":
+            return (stacked.square().sum() + math.fsum(n * n for n in on_host)).sqrt()
+        return (stacked.sum() + math.fsum(on_host)) / len(numbers)
     if what == "grad_norm":
         return math.sqrt(math.fsum(n * n for n in numbers))
     return math.fsum(numbers) / len(numbers)

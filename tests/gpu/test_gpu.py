@@ -114,7 +114,7 @@ def test_instrumented_ddp_step_adds_no_device_sync(nccl_group, monitor):
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     deadline = time.time() + 5
-    while time.time() < deadline and monitor.device_reads._values:
+    while time.time() < deadline and monitor.device.reads._values:
         monitor.publisher.publish()
         time.sleep(0.05)
     monitor.publisher.publish()

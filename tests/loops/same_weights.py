@@ -1,0 +1,146 @@
+"""rankscope must never change what a job trains to: the same weights, bit for bit.
+
+    torchrun --nproc-per-node 4 same_weights.py SCENARIO [SCENARIO ...] [--steps N]
+
+Each SCENARIO trains two copies of one model side by side, from the same seed on
+the same batches: one as the user's code alone would (``bare``), one under
+``monitor.watch()`` with the comm timing given (``watched``). After every step the
+two copies' gradients and, at the end, their weights are compared with
+``torch.equal``. Each scenario has its own Monitor (run "<RANKSCOPE_RUN>-<SCENARIO>"),
+closed before the next one opens. Writes $LOOP_OUT/<SCENARIO>/rank<N>.json:
+``{"equal_grads": bool, "equal_weights": bool, "max_diff": float, "strategy": str,
+"steps": int, "timed_all_reduces": float}`` (the all-reduces rankscope timed).
+
+SCENARIO (4 ranks)
+  subgroup        two DDP replicas, over the sub-groups {0,1} and {2,3} (process_group=)
+  odd_group       DDP over a group of three ranks {0,1,2} (rank 3 alone): a group size
+                  whose reciprocal is not exact in binary
+  mesh_dim        a 2-D device mesh ("dp", "tp"), DDP over its "dp" dim (device_mesh=)
+  world           DDP over the whole world
+  hook_before     the user's own comm hook (bf16 compression) registered before watch()
+  hook_after      the user's own comm hook registered after watch()
+  fsdp1           an FSDP1 (FullyShardedDataParallel) model under watch()
+
+RANKSCOPE_COMM_TIMING picks the strategy for every scenario (default: hook).
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from rankscope import Monitor
+
+SCENARIOS = ("subgroup", "odd_group", "mesh_dim", "world", "hook_before", "hook_after", "fsdp1")
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+
+
+def batches(steps: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1000 + rank)   # each rank its own data, as in data parallelism
+    return [(torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)) for _ in range(steps)]
+
+
+def bf16_hook(state, bucket):
+    """A user's compression hook (torch's own bf16_compress_hook, group from the state)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    return bf16_compress_hook(state, bucket)
+
+
+def wrap(scenario: str, model: nn.Module, rank: int):
+    """The scenario's parallel wrapper, built the same way for both copies."""
+    world = dist.get_world_size()
+    if scenario == "subgroup":
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        return DDP(model, process_group=groups[rank // 2], bucket_cap_mb=0.01)
+    if scenario == "odd_group":
+        groups = [dist.new_group([0, 1, 2]), dist.new_group([3])]
+        return DDP(model, process_group=groups[0 if rank < 3 else 1], bucket_cap_mb=0.01)
+    if scenario == "mesh_dim":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        return DDP(model, device_mesh=mesh["dp"], bucket_cap_mb=0.01)
+    if scenario in ("world", "hook_before", "hook_after"):
+        ddp = DDP(model, bucket_cap_mb=0.01)
+        if scenario == "hook_before":
+            ddp.register_comm_hook(ddp.process_group, bf16_hook)
+        return ddp
+    if scenario == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        return FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+def run(scenario: str, steps: int, rank: int) -> dict:
+    data = batches(steps, rank)
+    bare = wrap(scenario, make_model(), rank)
+    watched = wrap(scenario, make_model(), rank)
+    monitor = Monitor(run=f"{os.environ['RANKSCOPE_RUN']}-{scenario}",
+                      comm_timing=os.environ.get("RANKSCOPE_COMM_TIMING", "hook"))
+    try:
+        watched = monitor.watch(watched)
+        if scenario == "hook_after":
+            for ddp in (bare, watched):
+                ddp.register_comm_hook(ddp.process_group, bf16_hook)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (bare, watched)]
+        equal_grads = True
+        for x, y in data:
+            for model, opt in zip((bare, watched), opts):
+                if model is watched:
+                    with monitor.step(samples=len(x)) as step:
+                        loss = nn.functional.mse_loss(model(x), y)
+                        with step.phase("backward"):
+                            loss.backward()
+                        step.observe(loss=loss)
+                else:
+                    nn.functional.mse_loss(model(x), y).backward()
+            # (FSDP1 leaves the gradient of a parameter this rank holds no shard of as None)
+            grads = [[None if p.grad is None else p.grad.clone() for p in m.parameters()] for m in (bare, watched)]
+            equal_grads &= all(a is b is None or a is not None and b is not None and torch.equal(a, b)
+                               for a, b in zip(*grads))
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        pairs = list(zip(bare.parameters(), watched.parameters()))
+        monitor.publisher.flush()
+        timed = sum(b.get() for b in monitor.metrics.collective("all_reduce").duration._buckets)
+        return {"equal_grads": equal_grads, "timed_all_reduces": timed,
+                "equal_weights": all(torch.equal(a, b) for a, b in pairs),
+                "max_diff": max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in pairs),
+                "strategy": monitor.comm.mode, "steps": steps}
+    finally:
+        monitor.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenarios", nargs="+", choices=SCENARIOS)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        for scenario in args.scenarios:
+            result = run(scenario, args.steps, rank)
+            out = Path(os.environ["LOOP_OUT"]) / scenario
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"rank{rank}.json").write_text(json.dumps(result))
+            print(f"rank {rank} {scenario}: {result}", flush=True)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
