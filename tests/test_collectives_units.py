@@ -120,10 +120,26 @@ class FakeRecorder:
         pass
 
 
+class Source:
+    """FlightRecorderSource's interface over fake recorders, by name."""
+
+    def __init__(self, **recorders: FakeRecorder):
+        self.by_name = recorders
+        self.recorders = tuple(recorders)
+
+    def status(self, recorder):
+        return self.by_name[recorder].status
+
+    def entries_json(self, recorder):
+        return self.by_name[recorder].entries_json()
+
+    def close(self):
+        pass
+
+
 def make():
     rec = FakeRecorder()
-    source = type("Source", (), {"status": lambda self: rec.status, "entries_json": lambda self: rec.entries_json(),
-                                 "close": lambda self: None})()
+    source = Source(cpu=rec)
     sink, drops, errors = Sink(), [], []
     reader = ProcessGroupReader(sink, lambda what, reason="", n=1: drops.append((what, n)), lambda: errors.append(1),
                                 source, 2, 60.0, entries_every_s=0.0, initialized=lambda: True)
@@ -187,7 +203,7 @@ def test_in_flight_collective_publishes_its_enqueue_time_until_it_completes():
 
 def test_a_collective_stuck_across_two_status_reads_is_looked_up_at_once():
     rec, reader, sink, drops, errors = make()
-    reader._entries_every_s = reader._next_read_s = 3600.0
+    reader._entries_every_s = 3600.0
     rec.collective()
     reader.poll()                       # the first read is due (entries_every_s from 0)
     rec.collective(op="gloo:broadcast", complete=False, t=300.0)
@@ -216,17 +232,18 @@ def test_an_nccl_duration_written_after_the_first_read_is_still_published():
     assert sink.children[("duration", "default", "all_gather")].observed == [0.0015]
     assert sink.children[("duration", "default", "all_reduce")].observed == [0.0005]
     assert sink.children[("count", "default", "0", "all_gather")].value == 1   # counted once
-    assert reader._pending_duration == {}
+    assert reader.cursors["cpu"].pending_duration == {}
 
 
 def test_entries_are_read_once_half_the_ring_is_new_by_the_sequence_numbers():
     rec, reader, sink, drops, errors = make()
     reader._entries_every_s, reader._ring = 1.0, 10
-    reader._last_entries = 100.0
-    assert not reader._read_due(100.5, 50)     # never closer than 1 s
-    assert not reader._read_due(102.0, 4)      # 4 of a 10-entry ring are new: not yet
-    assert reader._read_due(102.0, 5)          # half the ring
-    assert reader._read_due(110.0, 0)          # at least every 10 s
+    cursor = reader.cursors["cpu"]
+    cursor.last_entries = 100.0
+    assert not reader._read_due(cursor, 100.5, 50)     # never closer than 1 s
+    assert not reader._read_due(cursor, 102.0, 4)      # 4 of a 10-entry ring are new: not yet
+    assert reader._read_due(cursor, 102.0, 5)          # half the ring
+    assert reader._read_due(cursor, 110.0, 0)          # at least every 10 s
 
 
 def test_a_poll_reads_entries_only_when_half_the_ring_is_new():
@@ -256,11 +273,11 @@ def test_durations_still_pending_when_overwritten_are_given_up():
     rec.size = 3
     rec.collective(op="nccl:all_reduce")           # not completed when read: its duration is pending
     reader.poll()
-    assert list(reader._pending_duration) == [0]
+    assert list(reader.cursors["cpu"].pending_duration) == [0]
     for _ in range(5):                             # overwritten in the ring meanwhile
         rec.collective(op="nccl:all_reduce", time_discovered_completed_ns=1)
     reader.poll()
-    assert reader._pending_duration == {}
+    assert reader.cursors["cpu"].pending_duration == {}
     assert sink.children[("count", "default", "0", "all_reduce")].value == 1 + 3
     assert drops == [("flight_recorder", 2)]
 
@@ -287,3 +304,53 @@ def test_collective_timing_is_turned_on_for_every_process_group(monkeypatch):
         assert set(distributed_c10d._world.pg_names.values()) == reader._timed_groups
     finally:
         dist.destroy_process_group()
+
+
+def test_the_nccl_recorder_is_read_besides_the_cpu_one_each_with_its_own_record_ids():
+    """ProcessGroupNCCL keeps its own flight recorder (libtorch_cuda), whose record ids start at
+    0 like the CPU one's: an NCCL job's FSDP/TP collectives are only there, and a cursor shared
+    between the two would skip or re-count entries."""
+    cpu, nccl = FakeRecorder(), FakeRecorder()
+    sink, drops, errors = Sink(), [], []
+    reader = ProcessGroupReader(sink, lambda what, reason="", n=1: drops.append((what, n)), lambda: errors.append(1),
+                                Source(cpu=cpu, nccl=nccl), 8, 60.0, entries_every_s=0.0, initialized=lambda: True)
+    reader._ring = 0
+    done = {"time_discovered_completed_ns": 1}   # NCCL's watchdog saw them complete (no duration to wait for)
+    for _ in range(3):
+        nccl.collective(pg_id=0, name="0", desc="default_pg", op="nccl:_allgather_base", numel=8, **done)
+    nccl.collective(pg_id=1, name="1", desc="mesh_dp_shard", op="nccl:_reduce_scatter_base", numel=16, **done)
+    cpu.collective(pg_id=2, name="2", desc="undefined", op="gloo:barrier", numel=1)   # a gloo side group
+    reader.poll()
+    for _ in range(2):
+        nccl.collective(pg_id=0, name="0", desc="default_pg", op="nccl:all_reduce", numel=4, **done)
+    cpu.collective(pg_id=2, name="2", desc="undefined", op="gloo:barrier", numel=1)
+    reader.poll()
+    reader.poll()   # nothing new in either
+    assert sink.children[("count", "default", "0", "all_gather")].value == 3
+    assert sink.children[("count", "default", "0", "all_reduce")].value == 2
+    assert sink.children[("count", "dp_shard", "1", "reduce_scatter")].value == 1
+    assert sink.children[("count", "pg2", "2", "barrier")].value == 2
+    assert sink.children[("enqueued", "default", "0")].value == 5
+    assert sink.children[("enqueued", "pg2", "2")].value == 2
+    assert reader.cursors["nccl"].last_record == 5 and reader.cursors["cpu"].last_record == 1
+    assert reader.entries_read == 8 and drops == [] and errors == []   # each entry decoded once
+
+
+def test_the_cpu_half_of_a_group_with_two_backends_is_its_own_sequence(monkeypatch):
+    """A "cuda:nccl,cpu:gloo" group numbers its NCCL and its gloo collectives separately; published
+    under one group_id the two sequences would be compared as one (a false CollectiveBehind)."""
+    from rankscope import process_groups
+
+    monkeypatch.setattr(process_groups, "_has_cuda_backend", lambda name: name == "0")
+    cpu, nccl = FakeRecorder(), FakeRecorder()
+    sink = Sink()
+    reader = ProcessGroupReader(sink, lambda *a, **k: None, lambda: None, Source(cpu=cpu, nccl=nccl), 8, 60.0,
+                                entries_every_s=0.0, initialized=lambda: True)
+    reader._ring = 0
+    for _ in range(4):
+        nccl.collective(pg_id=0, name="0", desc="default_pg", op="nccl:all_reduce")
+    cpu.collective(pg_id=0, name="0", desc="default_pg", op="gloo:all_reduce")
+    reader.poll()
+    assert sink.children[("enqueued", "default", "0")].value == 4
+    assert sink.children[("enqueued", "default", "0.cpu")].value == 1
+    assert sink.children[("count", "default", "0.cpu", "all_reduce")].value == 1

@@ -65,6 +65,35 @@ def test_non_scalar_values_are_reduced_and_every_step_counts(monitor):
     assert got[("rankscope_telemetry_dropped_total", "value")] == 0
 
 
+def test_dtensor_values_are_read_from_their_local_part_or_dropped(tmp_path, monitor):
+    """FSDP2 / tensor-parallel loops hand over DTensors. A Replicate one is this rank's value; a
+    Partial one (clip_grad_norm_'s result before .full_tensor()) holds only a summand, and a
+    sharded grad norm only this rank's part: reading those would need a collective, which
+    rankscope never issues from a background thread. They are dropped and counted, never
+    published as if they were the value."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        replicated = distribute_tensor(torch.tensor([1.0, 2.0, 3.0, 4.0]), mesh, [Replicate()])
+        run_steps(monitor, 1, loss=replicated, grad_norm=distribute_tensor(torch.tensor(3.0), mesh, [Replicate()]))
+        got = published(monitor)
+        assert got[("rankscope_loss",)] == pytest.approx(2.5) and got[("rankscope_grad_norm",)] == 3.0
+        assert got[("rankscope_telemetry_dropped_total", "value")] == 0
+        partial = DTensor.from_local(torch.tensor(7.0), mesh, [Partial()])
+        sharded = distribute_tensor(torch.tensor([3.0, 4.0]), mesh, [Shard(0)])
+        run_steps(monitor, 1, loss=torch.tensor(1.0), grad_norm=partial)
+        run_steps(monitor, 1, loss=torch.tensor(1.0), grad_norm=sharded)
+        got = published(monitor)
+        assert got[("rankscope_telemetry_dropped_total", "value")] == 2
+        assert got[("rankscope_grad_norm",)] == 3.0 and got[("rankscope_steps_total",)] == 3
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_loss_still_in_the_autograd_graph_needs_no_detach(monitor):
     """The README passes the loss as it is: a scalar or per-sample loss that requires grad,
     observed before or after backward, is read right off the training thread."""

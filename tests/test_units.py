@@ -262,6 +262,27 @@ def test_device_spans_are_read_lazily_in_order_and_events_reused():
     assert {e.stream for e in created} == {DEVICE_STREAM}  # the rank's device's stream, never another's
 
 
+def test_the_rank_device_is_learnt_once_and_kept_once_events_exist(caplog):
+    """Monitor() without a device: the first CUDA model or value names it. A different device
+    later is taken only while no event exists yet (a Monitor(device="cuda") made before
+    set_device, then a model on cuda:3): an event created on one device cannot be recorded on
+    another's stream."""
+    device = RankDevice(lambda what, reason: None)
+    cuda = lambda index: SimpleNamespace(type="cuda", index=index)   # noqa: E731
+    streams = lambda d: f"stream of cuda:{d.index}"                  # noqa: E731
+    assert not device.bind(None) and not device.cuda
+    assert device.bind(cuda(2), event_factory=FakeEvent, stream=streams) and device.index == 2
+    assert not device.bind(cuda(2), event_factory=FakeEvent, stream=streams)          # the same: nothing changes
+    assert device.bind(cuda(3), event_factory=FakeEvent, stream=streams) and device.index == 3   # no event yet
+    event = device.events.get()
+    event.record(device.stream())
+    assert event.stream == "stream of cuda:3"
+    with caplog.at_level("WARNING", logger="rankscope"):
+        assert not device.bind(cuda(0), event_factory=FakeEvent, stream=streams)
+        assert not device.bind(cuda(1), event_factory=FakeEvent, stream=streams)
+    assert device.index == 3 and len([r for r in caplog.records if "not timed" in r.message]) == 1
+
+
 def test_host_collectives_in_flight_and_bounded_buffer():
     tracker = CollectiveTracker(RankDevice(lambda what, reason: None))
     token, t0, start = tracker.begin("barrier")

@@ -100,6 +100,7 @@ class HookTiming(CommTiming):
     def attach(self, model: Any) -> None:
         super().attach(model)
         model.register_comm_hook(model.process_group, ddp_timing_hook(self))
+        model._rankscope_hook_timing = self
         # DDP takes one hook: one registered later becomes the hook the timing hook runs.
         model.register_comm_hook = self._register_inner
         model._register_builtin_comm_hook = _builtin_after_watch
@@ -205,6 +206,12 @@ def choose(mode: str, model: Any, tracker: CollectiveTracker, on_error: Callable
     """The strategy for ``mode`` (one of config.COMM_TIMING_MODES), attached to a DDP ``model``."""
     if mode == "auto":
         mode = "hook" if any(p.is_cuda for p in model.parameters()) else "reducer"
+    watched = getattr(model, "_rankscope_hook_timing", None)
+    if watched is not None:
+        # Watched before (a framework wraps per call, a new Monitor per run): DDP keeps the
+        # hook it has; it now reports to this monitor.
+        watched.tracker, watched.on_error = tracker, on_error
+        return watched
     if mode == "hook":
         hook = existing_hook(model)
         if hook is not None:
@@ -288,10 +295,11 @@ def ddp_timing_hook(timing: HookTiming):
     ``mul_`` of ``allreduce_like_ddp``: that pass is the hook's main cost on CPU
     (docs/performance.md).
     """
-    tracker, on_error, model = timing.tracker, timing.on_error, timing.model
-    device = tracker.device
+    model = timing.model
 
     def hook(state, bucket):
+        tracker, on_error = timing.tracker, timing.on_error   # a later watch() may hand them over
+        device = tracker.device
         buf = bucket.buffer()
         nbytes = buf.numel() * buf.element_size()
         index = bucket.index()

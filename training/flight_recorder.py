@@ -3,7 +3,9 @@
 Once a collective has been in flight for ``after_s``, the rank dumps torch's
 flight recorder where the runbook says to look, once per stuck collective:
 ``<run dir>/flight-recorder/nccl_trace_rank_<rank>`` (the name torchfrtrace
-expects). It needs TORCH_FR_BUFFER_SIZE > 0; the recorder is off otherwise.
+expects; ``cpu_trace_rank_<rank>`` besides it for the gloo half of a job that
+has both). It needs TORCH_FR_BUFFER_SIZE > 0 (or unset: 2000); 0 turns the
+recorders off.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Mapping
 
 log = logging.getLogger("rankscope")
 
@@ -28,40 +31,60 @@ class FlightRecorder:
         if time.time() - oldest_start < self._after_s or self._dumped_for == oldest_start:
             return
         self._dumped_for = oldest_start
-        path = dump_flight_recorder(self._directory, self._rank)
-        if path is not None:
+        paths = dump_flight_recorder(self._directory, self._rank)
+        if paths:
             log.warning("rankscope: collective in flight for over %.0f s; flight recorder dumped to %s",
-                        self._after_s, path)
+                        self._after_s, ", ".join(map(str, paths)))
 
 
-def dump_flight_recorder(directory: Path, rank: int) -> Path | None:
-    """Write torch's flight recorder (a pickle) for this rank; None where it is off or missing.
+RING_DEFAULT = 2000   # entries torch keeps when neither variable is set (torch >= 2.11)
 
-    torch >= 2.7 records gloo and NCCL collectives alike while
-    TORCH_FR_BUFFER_SIZE (or TORCH_NCCL_TRACE_BUFFER_SIZE) is > 0; torch 2.13
-    keeps 2000 entries when neither is set (older releases: none). Older CUDA
-    builds only have the NCCL entry point.
+
+def ring_size(env: Mapping[str, str] | None = None) -> int:
+    """Entries torch's flight recorders keep: TORCH_FR_BUFFER_SIZE, else the older
+    TORCH_NCCL_TRACE_BUFFER_SIZE, else torch's default. 0: the recorders are off."""
+    env = os.environ if env is None else env
+    raw = env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or str(RING_DEFAULT)
+    return int(raw) if raw.strip().isdigit() else RING_DEFAULT
+
+
+# Per recorder (rankscope.process_groups.RECORDERS): its status call, its pickle dump, and
+# the file a hang writes it to. torchfrtrace reads nccl_trace_rank_<N>; the CPU recorder
+# (gloo) takes that name when it is the only one with collectives.
+_DUMPS = (("nccl", "_dump_nccl_trace_json", "_dump_nccl_trace", "nccl_trace_rank_"),
+          ("cpu", "_dump_fr_trace_json", "_dump_fr_trace", "nccl_trace_rank_"))
+
+
+def dump_flight_recorder(directory: Path, rank: int) -> list[Path]:
+    """Write each of torch's flight recorders that holds collectives (a pickle each) for this
+    rank; [] where they are off or empty.
+
+    torch >= 2.7 records every collective while TORCH_FR_BUFFER_SIZE (or
+    TORCH_NCCL_TRACE_BUFFER_SIZE) is > 0, and keeps 2000 entries by default
+    (since 2.11 at least). Whether a recorder holds anything is read from its
+    status, not guessed from the version. ProcessGroupNCCL keeps its own
+    recorder (CUDA builds): an NCCL job's collectives are only in that one.
     """
+    import json
+
     import torch
 
+    if ring_size() <= 0:
+        return []
     c10d = torch._C._distributed_c10d
-    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
-    size = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
-    if size is None:   # torch's own default: 2000 entries from 2.13 on (c10d FlightRecorder.hpp)
-        size = "2000" if _torch_at_least(torch.__version__, (2, 13)) else "0"
-    if dump is None or not size.strip().isdigit() or int(size) <= 0:
-        return None
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"nccl_trace_rank_{rank}"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(dump(True, True, False))
-    os.replace(tmp, path)
-    return path
-
-
-def _torch_at_least(version: str, wanted: tuple[int, int]) -> bool:
-    parts = version.split("+")[0].split(".")
-    try:
-        return (int(parts[0]), int(parts[1])) >= wanted
-    except (IndexError, ValueError):
-        return False
+    written: list[Path] = []
+    for name, status, dump, prefix in _DUMPS:
+        if not hasattr(c10d, status) or not hasattr(c10d, dump):
+            continue
+        groups = json.loads(getattr(c10d, status)(False, False)).get("pg_status", {})
+        if not any(int(s.get("last_enqueued_collective", -1)) >= 0 for s in groups.values()):
+            continue
+        if written:   # the NCCL recorder took torchfrtrace's name
+            prefix = f"{name}_trace_rank_"
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{prefix}{rank}"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(getattr(c10d, dump)(True, True, False))
+        os.replace(tmp, path)
+        written.append(path)
+    return written

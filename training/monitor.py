@@ -129,7 +129,8 @@ class Monitor:
         self._rank_info = rank_info
         self.process_groups = _process_group_reader(self, cfg.publish_interval_s)
         self.metrics.start_ts.set(self.registration.started_at)
-        self.metrics.bind_flops(self.flops.counts_flops)   # the device's memory and peak: once it is known
+        self.metrics.mem_total.set(memory.total())          # 0 until a CUDA device is known (the publisher)
+        self.metrics.bind_flops(self.flops.counts_flops)   # the device's peak: once it is known
         self.metrics.mem_limit.set(memory.host_limit)
         self._closed = False
         self.publisher.start()

@@ -2,10 +2,15 @@
 
 FSDP2, DTensor / tensor parallel, pipeline schedules and user code on
 sub-groups issue collectives that no rankscope wrapper sees. torch (>= 2.7)
-records every collective of every process group, gloo and NCCL alike, in its
-flight recorder (a ring of ``TORCH_FR_BUFFER_SIZE`` entries, 2000 by default
-in torch 2.13). This module reads it from a background thread
-(``rankscope-process-groups``) and publishes, per process group:
+records every collective of every process group in a flight recorder (a ring
+of ``TORCH_FR_BUFFER_SIZE`` entries, 2000 by default since torch 2.11). There
+are two: gloo and the other CPU backends record into libtorch_cpu's, and
+ProcessGroupNCCL into its own in libtorch_cuda, reached only through the NCCL
+entry points (``_dump_nccl_trace_json``, the worker server's
+``dump_nccl_trace_json`` handler). Each is read where it exists, with its own
+cursor: record ids start at 0 in each. This module reads them from a
+background thread (``rankscope-process-groups``) and publishes, per process
+group:
 
 * collectives and bytes per op (``rankscope_process_group_collectives_total``,
   ``..._collective_bytes_total``);
@@ -39,7 +44,10 @@ Group labels: ``group`` is the role, ``default`` for the default group, the
 device-mesh dimension name for a mesh's groups (DeviceMesh names them
 ``mesh_<dim>``), the group's own description where the user gave one, else
 ``pg<name>``; ``group_id`` is the group's name, which torch makes the same on
-every member rank. At most ``max_groups`` groups per rank are published; the
+every member rank. A group with both a CUDA and a CPU backend
+(``"cuda:nccl,cpu:gloo"``) numbers its collectives per backend: its CPU
+backend's half is ``group_id="<name>.cpu"``, so that the two sequences are never
+compared with each other. At most ``max_groups`` groups per rank are published; the
 collectives of any further group are counted as dropped (``process_group``).
 """
 
@@ -57,6 +65,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from rankscope.flight_recorder import ring_size
 
 log = logging.getLogger("rankscope")
 
@@ -126,28 +136,46 @@ class Group:
     seq_children: tuple = ()
 
 
-class FlightRecorderSource:
-    """The two reads of torch's flight recorder; replaceable in tests."""
+# The flight recorders torch has, by name: (the status call of its C++ bindings, the worker
+# server's handler for its whole ring as JSON). "cpu" records gloo and the other CPU backends,
+# "nccl" ProcessGroupNCCL (CUDA builds only).
+RECORDERS = {
+    "cpu": ("_dump_fr_trace_json", "/handler/fr_trace_json"),
+    "nccl": ("_dump_nccl_trace_json", "/handler/dump_nccl_trace_json?includecollectives=true&onlyactive=false"),
+}
 
-    def __init__(self, socket_dir: Path, rank: int):
+
+def available_recorders() -> tuple[str, ...]:
+    """The recorders this torch build has."""
+    import torch
+
+    c10d = getattr(torch._C, "_distributed_c10d", None)
+    return tuple(name for name, (status, _) in RECORDERS.items() if c10d is not None and hasattr(c10d, status))
+
+
+class FlightRecorderSource:
+    """The two reads of each of torch's flight recorders; replaceable in tests."""
+
+    def __init__(self, socket_dir: Path, rank: int, recorders: tuple[str, ...] | None = None):
         self._socket_dir = socket_dir
         self._rank = rank
+        self.recorders = available_recorders() if recorders is None else recorders
         self._server: Any = None
         self._path = ""
 
-    def status(self) -> dict[str, dict[str, str]]:
+    def status(self, recorder: str = "cpu") -> dict[str, dict[str, str]]:
         import torch
 
-        raw = torch._C._distributed_c10d._dump_fr_trace_json(False, False)
+        raw = getattr(torch._C._distributed_c10d, RECORDERS[recorder][0])(False, False)
         return json.loads(raw).get("pg_status", {})
 
-    def entries_json(self) -> bytes:
+    def entries_json(self, recorder: str = "cpu") -> bytes:
         """The whole ring as JSON, serialised by torch's C++ worker server (no GIL held meanwhile)."""
         if self._server is None:
             self._start()
         conn = _UnixHTTPConnection(self._path)
         try:
-            conn.request("POST", "/handler/fr_trace_json")
+            conn.request("POST", RECORDERS[recorder][1])
             resp = conn.getresponse()
             body = resp.read()
             if resp.status != 200:
@@ -188,11 +216,26 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self._unix_path)
 
 
+@dataclass
+class Cursor:
+    """Where the reader is in one recorder's ring, and what it saw there last (record ids
+    and pg ids are the recorder's own)."""
+
+    recorder: str
+    last_record: int = -1                               # record_id of the last entry counted
+    pending_duration: dict = field(default_factory=dict)   # record_id -> (group label, op) read before done
+    last_entries: float = 0.0                           # monotonic time of the last entries read
+    enqueued_at_read: int = 0                           # collectives the status counted at that read
+    suspect: dict = field(default_factory=dict)         # pg_id -> seq seen in flight at the last status read
+    status: dict = field(default_factory=dict)          # pg_id -> the last status read
+
+
 class ProcessGroupReader:
-    """Reads the flight recorder and writes the per-process-group series (see the module docstring).
+    """Reads the flight recorders and writes the per-process-group series (see the module docstring).
 
     ``metrics`` provides ``process_group_series(label, group_id, op)`` etc. (rankscope.metrics);
-    ``drop(what, reason, n)`` and ``error()`` count what goes wrong."""
+    ``drop(what, reason, n)`` and ``error()`` count what goes wrong. ``source`` has
+    ``recorders`` (names), ``status(recorder)``, ``entries_json(recorder)`` and ``close()``."""
 
     def __init__(self, metrics: Any, drop: Callable[..., None], error: Callable[[], None], source: Any,
                  max_groups: int, interval_s: float, entries_every_s: float = ENTRIES_EVERY_S,
@@ -209,15 +252,10 @@ class ProcessGroupReader:
         self._on_in_flight = on_in_flight   # called with the oldest enqueue time in flight (flight-recorder dump)
         self._timing = timing               # turn on each process group's collective timing (NCCL durations)
         self._timed_groups: set[str] = set()
-        self.groups: dict[str, Group] = {}          # pg_id -> Group
-        self._refused: set[str] = set()             # pg_ids over the budget
-        self._last_record = -1                      # record_id of the last entry counted
-        self._last_entries = 0.0
-        self._enqueued_at_read = 0
-        self._ring = _ring_size()
-        self._suspect: dict[str, int] = {}          # pg_id -> seq seen in flight at the last status read
-        self._status: dict[str, dict[str, str]] = {}
-        self._pending_duration: dict[int, tuple[str, str]] = {}   # record_id -> (group, op) read before done
+        self.cursors = {name: Cursor(name) for name in source.recorders}
+        self.groups: dict[tuple[str, str], Group] = {}   # (recorder, pg_id) -> Group
+        self._refused: set[tuple[str, str]] = set()      # groups over the budget
+        self._ring = ring_size()
         self._warned_off = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -251,33 +289,44 @@ class ProcessGroupReader:
                 return
             if self._timing:
                 self._enable_timing()
-            status = self._status = self._source.status()
-            if not status:
-                self._warn_if_recorder_off()
-            stuck = self._note_status(status)
-            now = time.monotonic()
-            enqueued = sum(int(st.get("last_enqueued_collective", -1)) + 1 for st in status.values())
-            # A group not known yet has no labels: its sequence numbers wait for its entries.
-            unknown = any(pg_id not in self.groups and pg_id not in self._refused for pg_id in status)
-            if final or stuck or self._read_due(now, enqueued - self._enqueued_at_read, unknown):
-                self._last_entries, self._enqueued_at_read = now, enqueued
-                try:   # without entries the sequence numbers are still published
-                    self._read_entries()
+            seen = False
+            for cursor in self.cursors.values():
+                try:
+                    seen |= self._poll_recorder(cursor, final)
                 except Exception:
                     self._error()
+            if not seen:
+                self._warn_if_recorder_off()
             self._publish()
         except Exception:
             self._error()
         finally:
             self._lock.release()
 
-    def _read_due(self, now: float, new_collectives: int, unknown_group: bool = False) -> bool:
+    def _poll_recorder(self, cursor: Cursor, final: bool) -> bool:
+        """The recorder's status, then its new entries when due; whether it knows any group."""
+        status = cursor.status = self._source.status(cursor.recorder)
+        stuck = self._note_status(cursor, status)
+        now = time.monotonic()
+        enqueued = sum(int(st.get("last_enqueued_collective", -1)) + 1 for st in status.values())
+        # A group not known yet has no labels: its sequence numbers wait for its entries.
+        unknown = any((cursor.recorder, pg_id) not in self.groups and (cursor.recorder, pg_id) not in self._refused
+                      for pg_id in status)
+        if final or stuck or self._read_due(cursor, now, enqueued - cursor.enqueued_at_read, unknown):
+            cursor.last_entries, cursor.enqueued_at_read = now, enqueued
+            try:   # without entries the sequence numbers are still published
+                self._read_entries(cursor)
+            except Exception:
+                self._error()
+        return bool(status)
+
+    def _read_due(self, cursor: Cursor, now: float, new_collectives: int, unknown_group: bool = False) -> bool:
         """Serialising the ring costs the same however few entries are new (about 10 us an entry,
         on torch's thread): read once about half of it is new, as the groups' sequence numbers
         count, but no closer than entries_every_s and no further than ENTRIES_AT_MOST_EVERY_S apart.
         A busy FSDP job is read every second or few; a DDP job with a few collectives a second
         every ten."""
-        since = now - self._last_entries
+        since = now - cursor.last_entries
         if since < self._entries_every_s:
             return False
         return (since >= ENTRIES_AT_MOST_EVERY_S or self._ring <= 0 or unknown_group
@@ -295,37 +344,36 @@ class ProcessGroupReader:
                 pg._enable_collectives_timing()
 
     def _warn_if_recorder_off(self) -> None:
-        size = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
-        if size is not None and size.strip() == "0" and not self._warned_off:
+        if ring_size() == 0 and not self._warned_off:
             self._warned_off = True
             log.warning("rankscope: torch's flight recorder is off (TORCH_FR_BUFFER_SIZE=0): the collectives of "
                         "process groups other than DDP's and monitor.collective()'s are not seen")
 
     # -- status: sequence numbers ------------------------------------------------
-    def _note_status(self, status: dict[str, dict[str, str]]) -> bool:
+    def _note_status(self, cursor: Cursor, status: dict[str, dict[str, str]]) -> bool:
         """Store each known group's sequence numbers; True when a collective stayed in flight
         since the last read and its op is not known yet."""
         stuck = False
         for pg_id, s in status.items():
             enqueued = int(s.get("last_enqueued_collective", -1))
             completed = int(s.get("last_completed_collective", -1))
-            group = self.groups.get(pg_id)
+            group = self.groups.get((cursor.recorder, pg_id))
             if group is not None:
                 group.enqueued, group.completed = enqueued, completed
             waiting = completed + 1 if completed < enqueued else None
-            if waiting is not None and self._suspect.get(pg_id) == waiting \
+            if waiting is not None and cursor.suspect.get(pg_id) == waiting \
                     and (group is None or waiting not in group.in_flight):
                 stuck = True
             if waiting is None:
-                self._suspect.pop(pg_id, None)
+                cursor.suspect.pop(pg_id, None)
             else:
-                self._suspect[pg_id] = waiting
+                cursor.suspect[pg_id] = waiting
         return stuck
 
     # -- entries: ops, bytes, enqueue times --------------------------------------
-    def _read_entries(self) -> None:
-        body = self._source.entries_json()
-        start = self._first_new_entry(body)
+    def _read_entries(self, cursor: Cursor) -> None:
+        body = self._source.entries_json(cursor.recorder)
+        start = self._first_new_entry(cursor, body)
         if start < 0:
             return
         # Entry by entry, each a small slice of the body decoded on its own: nothing here
@@ -339,7 +387,7 @@ class ProcessGroupReader:
             following = body.find(_ENTRY_START, at + 1)
             chunk = body[at:following if following >= 0 else at + _LAST_ENTRY_MAX].decode("utf-8", "replace")
             entry, _ = decoder.raw_decode(chunk)
-            self._count(entry)
+            self._count(cursor, entry)
             self.entries_read += 1
             at = following
             elapsed = time.perf_counter() - slice_start
@@ -353,7 +401,7 @@ class ProcessGroupReader:
         self.longest_slice_s = max(self.longest_slice_s, wall)
         self.longest_slice_cpu_s = max(self.longest_slice_cpu_s, cpu)
 
-    def _first_new_entry(self, body: bytes) -> int:
+    def _first_new_entry(self, cursor: Cursor, body: bytes) -> int:
         """Offset of the first entry not counted yet (entries are in record order), or -1 if none.
         A gap (entries overwritten in the ring before they were read) is counted by ``_count``."""
         begin = body.find(b'"entries":[')
@@ -362,34 +410,34 @@ class ProcessGroupReader:
         begin += len(b'"entries":[')
         if body[begin:begin + 1] != b"{":
             return -1
-        if self._last_record < 0:
+        if cursor.last_record < 0:
             return begin
-        first = min(self._pending_duration, default=self._last_record + 1)
+        first = min(cursor.pending_duration, default=cursor.last_record + 1)
         at = body.find(b'"record_id":%d,' % first, begin)
-        if at < 0 and self._pending_duration:   # overwritten before their durations came: give up on them
-            self._pending_duration.clear()
-            at = body.find(b'"record_id":%d,' % (self._last_record + 1), begin)
+        if at < 0 and cursor.pending_duration:   # overwritten before their durations came: give up on them
+            cursor.pending_duration.clear()
+            at = body.find(b'"record_id":%d,' % (cursor.last_record + 1), begin)
         if at >= 0:
             return body.rfind(_ENTRY_START, begin, at)
         last = body.rfind(b'"record_id":')
         newest = int(re.match(rb'"record_id":(\d+)', body[last:last + 40]).group(1))
-        if newest == self._last_record:
+        if newest == cursor.last_record:
             return -1
-        if newest < self._last_record:   # the recorder was reset: its ids start over
-            self._last_record = -1
+        if newest < cursor.last_record:   # the recorder was reset: its ids start over
+            cursor.last_record = -1
         return begin
 
-    def _count(self, entry: dict) -> None:
+    def _count(self, cursor: Cursor, entry: dict) -> None:
         record = int(entry.get("record_id", -1))
-        if record <= self._last_record:
-            self._late_duration(record, entry)
+        if record <= cursor.last_record:
+            self._late_duration(cursor, record, entry)
             return
-        if self._last_record >= 0 and record > self._last_record + 1:
+        if cursor.last_record >= 0 and record > cursor.last_record + 1:
             self._drop("flight_recorder", "entries overwritten in the ring before they were read",
-                       record - self._last_record - 1)
-        self._last_record = record
+                       record - cursor.last_record - 1)
+        cursor.last_record = record
         pg_id = str(entry.get("pg_id"))
-        group = self._group(pg_id, entry.get("process_group") or ("", ""))
+        group = self._group(cursor, pg_id, entry.get("process_group") or ("", ""))
         if group is None:
             self._drop("process_group", f"more than {self._max_groups} process groups on this rank")
             return
@@ -403,43 +451,47 @@ class ProcessGroupReader:
         elif not entry.get("time_discovered_completed_ns") and entry.get("profiling_name", "").startswith("nccl:"):
             # NCCL's watchdog writes the duration (collective timing on) once it sees the work
             # complete: read this entry again until then.
-            if len(self._pending_duration) >= MAX_IN_FLIGHT:
-                self._pending_duration.pop(min(self._pending_duration))
-            self._pending_duration[record] = (group.label, op)
+            if len(cursor.pending_duration) >= MAX_IN_FLIGHT:
+                cursor.pending_duration.pop(min(cursor.pending_duration))
+            cursor.pending_duration[record] = (group.label, op)
         seq = int(entry.get("collective_seq_id", 0))
         if not entry.get("is_p2p") and seq > group.completed:
             if len(group.in_flight) >= MAX_IN_FLIGHT:   # completions not seen: keep the newest
                 del group.in_flight[min(group.in_flight)]
             group.in_flight[seq] = (op, int(entry.get("time_created_ns", 0)) / 1e9)
 
-    def _late_duration(self, record: int, entry: dict) -> None:
+    def _late_duration(self, cursor: Cursor, record: int, entry: dict) -> None:
         """An entry read before its work completed: its duration, once the backend wrote it."""
-        pending = self._pending_duration.get(record)
+        pending = cursor.pending_duration.get(record)
         if pending is None:
             return
         duration_ms = entry.get("duration_ms")
         if duration_ms is not None:
             self._m.process_group_duration(*pending).observe(float(duration_ms) / 1000.0)
-            del self._pending_duration[record]
+            del cursor.pending_duration[record]
         elif entry.get("time_discovered_completed_ns"):   # completed without one: timing is off
-            del self._pending_duration[record]
+            del cursor.pending_duration[record]
 
-    def _group(self, pg_id: str, process_group: Any) -> Group | None:
-        group = self.groups.get(pg_id)
-        if group is not None or pg_id in self._refused:
+    def _group(self, cursor: Cursor, pg_id: str, process_group: Any) -> Group | None:
+        key = (cursor.recorder, pg_id)
+        group = self.groups.get(key)
+        if group is not None or key in self._refused:
             return group
         if len(self.groups) >= self._max_groups:
-            self._refused.add(pg_id)
+            self._refused.add(key)
             log.warning("rankscope: more than %d process groups on this rank; collectives of group %s are "
                         "dropped (RANKSCOPE_MAX_PROCESS_GROUPS)", self._max_groups, process_group)
             return None
         name, desc = (list(process_group) + ["", ""])[:2]
-        group = Group(pg_id, str(name), group_label(str(name), str(desc)))
+        group_id = str(name)
+        if cursor.recorder == "cpu" and "nccl" in self.cursors and _has_cuda_backend(group_id):
+            group_id += ".cpu"   # the CPU half of a "cuda:nccl,cpu:gloo" group: its own sequence
+        group = Group(pg_id, group_id, group_label(str(name), str(desc)))
         group.seq_children = self._m.process_group_seq(group.label, group.name)
-        status = self._status.get(pg_id, {})
+        status = cursor.status.get(pg_id, {})
         group.enqueued = int(status.get("last_enqueued_collective", -1))
         group.completed = int(status.get("last_completed_collective", -1))
-        self.groups[pg_id] = group
+        self.groups[key] = group
         return group
 
     def _series(self, group: Group, op: str):
@@ -476,10 +528,14 @@ class ProcessGroupReader:
             self._on_in_flight(oldest_any)
 
 
-def _ring_size() -> int:
-    """Entries torch's flight recorder keeps (its own default, 2000, when the variables are unset)."""
-    raw = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or "2000"
-    return int(raw) if raw.strip().isdigit() else 2000
+def _has_cuda_backend(group_name: str) -> bool:
+    """Whether the process group called ``group_name`` also has a CUDA backend."""
+    from torch.distributed import distributed_c10d
+
+    for pg, name in list(distributed_c10d._world.pg_names.items()):
+        if name == group_name:
+            return any(getattr(t, "type", t) == "cuda" for t in getattr(pg, "_device_types", ()))
+    return False
 
 
 def _dist_initialized() -> bool:

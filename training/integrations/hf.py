@@ -223,8 +223,7 @@ def instrument(trainer: Any) -> Any:
         if model is not callback._watched and callback.monitor is not None:
             # The first step of a train() call; each call may wrap the model anew.
             callback._watched = model
-            if hasattr(model, "register_comm_hook"):   # DDP: time its gradient all-reduces
-                callback.monitor.watch(model)
+            callback.monitor.watch(model)   # DDP: all-reduces timed; any model: its CUDA device learnt
         try:
             loss = training_step(model, *args, **kwargs)
         except BaseException as exc:

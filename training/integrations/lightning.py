@@ -97,9 +97,9 @@ class RankscopeCallback(Callback):
     def on_train_start(self, trainer, pl_module):
         if self.steps is None:
             return
-        model = trainer.strategy.model
-        if hasattr(model, "register_comm_hook"):   # DDP: time its gradient all-reduces
-            self.monitor.watch(model)
+        # DDP: its gradient all-reduces timed; any model: its CUDA device learnt (FSDP and the rest
+        # are read through the flight recorder, unwrapped)
+        self.monitor.watch(trainer.strategy.model)
         self.steps.between_steps()
 
     # -- a step ---------------------------------------------------------------------
