@@ -1,26 +1,43 @@
-"""GPU checks, run as one script on a machine with an NVIDIA GPU:
+"""GPU checks, run as one command on a machine with one NVIDIA GPU (bash tests/gpu/run.sh):
 
     python -m pytest tests/gpu -m gpu -s -q
 
-Skipped cleanly where torch sees no CUDA device. What they prove:
-1. A one-GPU NCCL process group: explicit all_reduce of several sizes timed
-   through Monitor.collective (CUDA events, read lazily) agrees with CUDA-event
-   ground truth recorded around the same calls.
-2. A full instrumented DDP step (comm hook, phases, loss and grad norm as
-   device tensors, memory sampling by the publisher) runs under
-   torch.cuda.set_sync_debug_mode("error"): rankscope adds no host-device sync.
-3. NVML readings of the device through the exporter's collector are sane.
-4. FSDP2 on NCCL: the all-gathers and reduce-scatters rankscope reads from
-   torch's flight recorder equal CommDebugMode's counts for the same steps,
-   and with the group's collective timing on each has a device duration
-   (rankscope_process_group_collective_duration_seconds), with no added sync.
+Skipped cleanly where torch sees no CUDA device. Each check prints its figures and
+adds them to $GPU_CHECK_OUT (JSON) when that is set; docs/performance.md ("On a GPU")
+keeps the last run's. What they prove:
+
+1. NCCL all-reduce durations (CUDA events, read lazily) against an independent
+   clock: the kernels' own start and end as CUPTI records them (torch.profiler),
+   and the host's wall clock over back-to-back calls.
+2. A full instrumented DDP step (the comm hook, phases, loss, a list of grad norms
+   and the lr as device tensors, the publisher's memory reads) adds no host-device
+   sync: sync-debug mode set to "error" (which sees cudaStreamSynchronize and
+   synchronising copies) plus counts of the calls it cannot see
+   (cudaEventSynchronize, torch.cuda.synchronize, .item()), on every thread, and
+   zero telemetry errors and drops afterwards. With ``Monitor(device=...)`` and
+   with ``Monitor()``, which learns its device from the model.
+3. The default configuration's overhead against a bare GPU DDP step, interleaved
+   block by block, as a ratio with its 95% interval.
+4. The DDP comm hook trains to the same weights as DDP without it, bit for bit.
+5. NVML readings through the exporter's collector against ``nvidia-smi``.
+6. FSDP2 and explicit collectives on NCCL, counted from ProcessGroupNCCL's own
+   flight recorder, equal CommDebugMode's counts; the hang dump writes that
+   recorder.
+7. MFU with the device's peak from its NVML name; allocator figures against
+   ``torch.cuda.memory_stats()``.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import pickle
 import statistics
+import subprocess
+import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -29,6 +46,25 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
 ]
+
+FIGURES: dict[str, object] = {}
+DEVICE = torch.device("cuda", 0)
+
+
+def record(name: str, value: object) -> None:
+    FIGURES[name] = value
+    print(f"\n[gpu-check] {name}: {value}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def figures_file():
+    FIGURES["device"] = torch.cuda.get_device_name(0)
+    FIGURES["torch"] = torch.__version__
+    yield
+    out = os.environ.get("GPU_CHECK_OUT")
+    if out:
+        with open(out, "w") as f:
+            json.dump(FIGURES, f, indent=1, default=str)
 
 
 @pytest.fixture(scope="module")
@@ -39,168 +75,417 @@ def nccl_group(tmp_path_factory):
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       RANKSCOPE_METRICS_DIR=str(tmp_path_factory.mktemp("metrics")), RANKSCOPE_EXPORTER="off")
-    torch.cuda.set_device(0)
+    # The training thread's current device is left as it is: rankscope must not depend on set_device.
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            device_id=torch.device("cuda", 0))
+                            device_id=DEVICE)
     yield dist
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def monitor(nccl_group):
+@contextmanager
+def open_monitor(**options):
     from rankscope.monitor import Monitor
 
-    m = Monitor(device=torch.device("cuda", 0), backend="nccl", run="gpu-check", publish_interval_s=0.2)
-    yield m
-    m.close()
+    options.setdefault("run", "gpu-check")
+    options.setdefault("publish_interval_s", 0.05)
+    m = Monitor(**options)
+    try:
+        yield m
+    finally:
+        m.close()
 
 
-def test_all_reduce_timing_agrees_with_cuda_events(nccl_group, monitor):
-    dist = nccl_group
-    rows = []
-    for numel in (1 << 10, 1 << 18, 1 << 22, 1 << 26):  # 4 KiB .. 256 MiB of float32
-        t = torch.ones(numel, device="cuda")
-        for _ in range(3):
-            dist.all_reduce(t)
-        torch.cuda.synchronize()          # the test may synchronise; rankscope may not
-        monitor.tracker.drain()
-        truth = []
-        for _ in range(20):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            with monitor.collective("all_reduce", t):
-                dist.all_reduce(t)
-            end.record()
-            truth.append((start, end))
-        torch.cuda.synchronize()
-        monitor.tracker.poll_device()
-        recorded = [r.duration for r in monitor.tracker.drain()]
-        expected = [s.elapsed_time(e) / 1000 for s, e in truth]
-        assert len(recorded) == len(expected) == 20
-        ratio = statistics.median(r / e for r, e in zip(recorded, expected))
-        rows.append((numel * 4, statistics.median(recorded) * 1e6, statistics.median(expected) * 1e6, ratio))
-        assert 0.8 <= ratio <= 1.25, rows[-1]
-    for nbytes, rec, exp, ratio in rows:
-        print(f"all_reduce {nbytes:>11} B: rankscope {rec:9.1f} us, CUDA events {exp:9.1f} us, ratio {ratio:.3f}")
+def model_1k() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)).to(DEVICE)
 
 
-def test_instrumented_ddp_step_adds_no_device_sync(nccl_group, monitor):
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def telemetry_faults(m) -> dict[str, float]:
+    """Every error and drop rankscope counted, by name (all must be 0)."""
+    faults = {f"error:{k}": c._value.get() for k, c in m.metrics.errors.items()}
+    faults.update({f"drop:{k}": c._value.get() for k, c in m.metrics.drops.items()})
+    return {k: v for k, v in faults.items() if v}
 
-    model = monitor.watch(DDP(torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(),
-                                                  torch.nn.Linear(4096, 1024)).cuda(), device_ids=[0]))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x, y = torch.randn(256, 1024, device="cuda"), torch.randn(256, 1024, device="cuda")
-    for _ in range(2):   # DDP's first steps rebuild buckets and may synchronise: not ours to judge
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    torch.cuda.synchronize()
+
+@contextmanager
+def no_sync_allowed():
+    """Sync-debug mode "error", and counts (every thread) of the syncs it cannot see."""
+    counts = {"Event.synchronize": 0, "Stream.synchronize": 0, "cuda.synchronize": 0, "Tensor.item": 0}
+    originals = {"Event.synchronize": (torch.cuda.Event, "synchronize"),
+                 "Stream.synchronize": (torch.cuda.Stream, "synchronize"),
+                 "cuda.synchronize": (torch.cuda, "synchronize"), "Tensor.item": (torch.Tensor, "item")}
+    saved = {k: getattr(owner, attr) for k, (owner, attr) in originals.items()}
+
+    def counting(key):
+        original = saved[key]
+
+        def call(*args, **kwargs):
+            # .item() syncs only on a device tensor (the publisher reads pinned host buffers)
+            if key != "Tensor.item" or getattr(args[0], "is_cuda", False):
+                counts[key] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    for key, (owner, attr) in originals.items():
+        setattr(owner, attr, counting(key))
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(20):
-            with monitor.step(samples=256) as step:
-                with step.phase("forward"):
-                    loss = torch.nn.functional.mse_loss(model(x), y)
-                with step.phase("backward"):
-                    loss.backward()
-                with step.phase("optimizer"):
-                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                step.observe(loss=loss.detach(), grad_norm=norm.detach(), lr=1e-3)
-            monitor.publisher.publish()   # the publisher's work (event queries, memory stats) must not sync either
+        yield counts
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    deadline = time.time() + 5
-    while time.time() < deadline and monitor.device.reads._values:
-        monitor.publisher.publish()
-        time.sleep(0.05)
-    monitor.publisher.publish()
-    m = monitor.metrics
-    assert m.steps._value.get() >= 20
-    timed = sum(b.get() for b in m.collective("all_reduce").duration._buckets)
-    assert timed >= 20      # every bucket of every step timed by CUDA events
-    assert m.mem_total._value.get() > 0 and m.mem_peak._value.get() > 0
-    assert m.loss._value.get() > 0 and m.nonfinite["loss"]._value.get() == 0
+        for key, (owner, attr) in originals.items():
+            setattr(owner, attr, saved[key])
 
 
-def test_fsdp2_counts_and_durations_from_the_flight_recorder(nccl_group, monitor):
+def instrumented_step(monitor, model, opt, x, y) -> None:
+    with monitor.step(samples=len(x)) as step:
+        with step.phase("forward"):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        with step.phase("backward"):
+            loss.backward()
+        with step.phase("optimizer"):
+            norms = [p.grad.norm() for p in model.parameters()]   # a list of device norms, as per-group clipping gives
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        step.observe(loss=loss, grad_norm=norms, lr=opt.param_groups[0]["lr"])
+
+
+# -- 1. all-reduce durations against an independent clock ---------------------------------
+
+def test_all_reduce_durations_against_an_independent_clock(nccl_group):
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    dist = nccl_group
+    rows = []
+    with open_monitor(device=DEVICE, backend="nccl") as monitor:
+        for numel in (1 << 12, 1 << 20, 1 << 24, 1 << 26):   # 16 KiB .. 256 MiB of float32
+            t = torch.ones(numel, device=DEVICE)
+            # At world size 1 NCCL may do little or no device work for an in-place all-reduce:
+            # the clocks are compared only where the host clock shows real work (>= 100 us a call).
+            for _ in range(3):
+                dist.all_reduce(t)
+            torch.cuda.synchronize()
+            monitor.tracker.poll_device()
+            monitor.tracker.drain()
+            n = 20
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                torch.cuda.synchronize()
+                host_start = time.perf_counter()
+                for _ in range(n):
+                    with monitor.collective("all_reduce", t):
+                        dist.all_reduce(t)
+                torch.cuda.synchronize()
+                host_per_call = (time.perf_counter() - host_start) / n
+            monitor.tracker.poll_device()
+            recorded = [r.duration for r in monitor.tracker.drain()]
+            kernels = [e.time_range.elapsed_us() / 1e6 for e in prof.events()
+                       if e.device_type == DeviceType.CUDA and "nccl" in e.name.lower()]
+            assert len(recorded) == n, (numel, len(recorded))
+            kernel = statistics.median(kernels) if kernels else math.nan
+            rankscope = statistics.median(recorded)
+            rows.append({"bytes": numel * 4, "rankscope_us": rankscope * 1e6, "kernel_us": kernel * 1e6,
+                         "kernels_seen": len(kernels), "host_per_call_us": host_per_call * 1e6,
+                         "ratio_to_kernel": rankscope / kernel if kernels else None,
+                         "ratio_to_host": statistics.fmean(recorded) / host_per_call})
+    record("all_reduce_timing", rows)
+    for row in rows:
+        if row["host_per_call_us"] >= 100:   # real device work: both clocks must agree with the events
+            assert 0.85 <= row["ratio_to_host"] <= 1.15, row
+            if row["kernels_seen"]:
+                assert 0.9 <= row["ratio_to_kernel"] <= 1.3, row
+
+
+# -- 2. a full instrumented DDP step: no sync, no telemetry fault ---------------------------
+
+@pytest.mark.parametrize("device_given", [True, False], ids=["Monitor(device)", "Monitor()"])
+def test_an_instrumented_ddp_step_adds_no_sync(nccl_group, device_given):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    options = {"device": DEVICE} if device_given else {}
+    with open_monitor(backend="nccl", memory_every_s=0.05, **options) as monitor:
+        model = monitor.watch(DDP(model_1k(), device_ids=[0]))
+        assert monitor.device.cuda and monitor.device.index == 0   # Monitor(): learnt from the model
+        assert monitor.comm.mode == "hook"                          # comm_timing=auto on CUDA
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x, y = torch.randn(256, 1024, device=DEVICE), torch.randn(256, 1024, device=DEVICE)
+        for _ in range(2):   # DDP's first steps rebuild buckets and may synchronise: not ours to judge
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        steps = 50
+        with no_sync_allowed() as syncs:
+            for _ in range(steps):
+                instrumented_step(monitor, model, opt, x, y)
+            time.sleep(0.5)   # the publisher thread reads events, values and memory meanwhile
+        torch.cuda.synchronize()
+        deadline = time.time() + 5
+        while time.time() < deadline and (monitor.device.reads._values or monitor.device.reads._steps):
+            time.sleep(0.05)
+        monitor.publisher.flush()
+        m = monitor.metrics
+        phases = {p: c._value.get() for p, c in m.phase.items()}
+        timed = sum(b.get() for b in m.collective("all_reduce").duration._buckets)
+        figures = {"syncs": dict(syncs), "faults": telemetry_faults(monitor), "steps": m.steps._value.get(),
+                   "timed_buckets": timed, "phases_s": phases, "loss": m.loss._value.get(),
+                   "grad_norm": m.grad_norm._value.get(), "lr": m.lr._value.get()}
+        record(f"ddp_step_{'device' if device_given else 'no_device'}", figures)
+        assert sum(syncs.values()) == 0, syncs
+        assert figures["faults"] == {}, figures["faults"]
+        assert figures["steps"] >= steps and timed >= steps
+        assert phases["forward"] > 0 and phases["backward"] + phases["comm_wait"] > 0 and phases["optimizer"] > 0
+        assert figures["loss"] > 0 and figures["grad_norm"] > 0 and figures["lr"] == pytest.approx(1e-3)
+        info = monitor.registration.info or {}
+        assert info.get("device") == "cuda:0" and info.get("gpu_uuid", "").startswith(("GPU-", "MIG-")), info
+
+
+# -- 3. overhead of the default configuration ------------------------------------------------
+
+def test_overhead_of_the_default_configuration_against_a_bare_step(nccl_group):
+    """Two DDP copies of one model in one process, one watched; blocks of steps interleaved
+    ABBA, each block timed from a synchronised start to a synchronised end (between the
+    steps of a block nothing waits for the device, as in training)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.benchmarks.common import mean_ci
+
+    def make():
+        torch.manual_seed(0)
+        layers = []
+        for _ in range(4):
+            layers += [torch.nn.Linear(4096, 4096), torch.nn.GELU()]
+        return DDP(torch.nn.Sequential(*layers).to(DEVICE), device_ids=[0])
+
+    block, rounds = 10, 60
+    with open_monitor(device=DEVICE, backend="nccl", exporter="auto",
+                      metrics_port=int(os.environ.get("GPU_CHECK_PORT", "9471"))) as monitor:
+        bare, watched = make(), monitor.watch(make())
+        opts = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (bare, watched)}
+        x, y = torch.randn(512, 4096, device=DEVICE), torch.randn(512, 4096, device=DEVICE)
+
+        def bare_block():
+            for _ in range(block):
+                loss = torch.nn.functional.mse_loss(bare(x), y)
+                loss.backward()
+                opts[id(bare)].step()
+                opts[id(bare)].zero_grad(set_to_none=True)
+
+        def watched_block():
+            for _ in range(block):
+                instrumented_step(monitor, watched, opts[id(watched)], x, y)
+
+        def timed(run) -> float:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) / block
+
+        stop = threading.Event()
+        scrapes = [0]
+
+        def scraper():   # Prometheus scraping the node's exporter every second, as in production
+            import urllib.request
+
+            while not stop.wait(1.0):
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{monitor.config.metrics_port}/metrics", timeout=2).read()
+                    scrapes[0] += 1
+                except OSError:
+                    pass
+
+        for _ in range(3):
+            timed(bare_block), timed(watched_block)   # warm-up: allocator, cuBLAS, DDP buckets
+        threading.Thread(target=scraper, daemon=True).start()
+        bare_s, watched_s = [], []
+        for i in range(rounds):
+            order = (bare_block, watched_block) if i % 2 == 0 else (watched_block, bare_block)
+            for run in order:
+                (bare_s if run is bare_block else watched_s).append(timed(run))
+        stop.set()
+        ratios = [w / b for w, b in zip(watched_s, bare_s)]
+        mean, low, high = mean_ci(ratios)
+        figures = {"bare_step_ms": statistics.median(bare_s) * 1e3,
+                   "instrumented_step_ms": statistics.median(watched_s) * 1e3,
+                   "ratio": mean, "ratio_95ci": [low, high], "rounds": rounds, "steps_per_block": block,
+                   "scrapes": scrapes[0], "faults": telemetry_faults(monitor)}
+    record("overhead_default_config", figures)   # a figure to report, not a timed assertion
+    assert figures["faults"] == {}
+
+
+# -- 4. same weights ----------------------------------------------------------------------------
+
+def test_the_comm_hook_trains_to_the_same_weights_on_nccl(nccl_group):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with open_monitor(device=DEVICE, backend="nccl", comm_timing="hook") as monitor:
+        bare = DDP(model_1k(), device_ids=[0], bucket_cap_mb=1)
+        watched = monitor.watch(DDP(model_1k(), device_ids=[0], bucket_cap_mb=1))
+        opts = [torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (bare, watched)]
+        g = torch.Generator(device=DEVICE).manual_seed(1)
+        for _ in range(5):
+            x = torch.randn(64, 1024, device=DEVICE, generator=g)
+            y = torch.randn(64, 1024, device=DEVICE, generator=g)
+            for model, opt in zip((bare, watched), opts):
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        equal = all(torch.equal(a, b) for a, b in zip(bare.parameters(), watched.parameters()))
+    record("same_weights_nccl_hook", equal)
+    assert equal
+
+
+# -- 5. NVML against nvidia-smi -----------------------------------------------------------------
+
+def test_nvml_readings_against_nvidia_smi():
+    from rankscope.exporter.nvml import NvmlCollector
+
+    fields = "uuid,name,memory.total,memory.used,temperature.gpu,power.draw,clocks.sm,power.limit"
+    smi = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
+    uuid, name, mem_total, mem_used, temp, power, sm_clock, power_limit = [v.strip() for v in smi.split(",")]
+    collector = NvmlCollector(node="gpu-node")
+    assert collector.available, collector.error
+    samples = {s.name: s for family in collector.collect() for s in family.samples if s.labels.get("gpu") == "0"}
+    ours = {
+        "uuid": samples["rankscope_gpu_info"].labels["uuid"], "name": samples["rankscope_gpu_info"].labels["name"],
+        "memory_total_mib": samples["rankscope_gpu_memory_total_bytes"].value / 2**20,
+        "memory_used_mib": samples["rankscope_gpu_memory_used_bytes"].value / 2**20,
+        "temperature_c": samples["rankscope_gpu_temperature_celsius"].value,
+        "power_w": samples["rankscope_gpu_power_watts"].value,
+        "power_limit_w": samples["rankscope_gpu_power_limit_watts"].value,
+        "sm_clock_mhz": samples["rankscope_gpu_sm_clock_hertz"].value / 1e6,
+    }
+    record("nvml_vs_nvidia_smi", {"rankscope": ours, "nvidia_smi": {
+        "uuid": uuid, "name": name, "memory_total_mib": mem_total, "memory_used_mib": mem_used,
+        "temperature_c": temp, "power_w": power, "power_limit_w": power_limit, "sm_clock_mhz": sm_clock}})
+    assert ours["uuid"] == uuid and ours["name"] == name
+    assert ours["memory_total_mib"] == pytest.approx(float(mem_total), abs=1)
+    assert ours["memory_used_mib"] == pytest.approx(float(mem_used), abs=64)
+    assert ours["temperature_c"] == pytest.approx(float(temp), abs=3)
+    assert ours["power_limit_w"] == pytest.approx(float(power_limit), rel=0.01)
+    assert ours["power_w"] == pytest.approx(float(power), rel=0.3, abs=20)   # read a moment apart
+
+
+# -- 6. NCCL collectives from ProcessGroupNCCL's own flight recorder ----------------------------
+
+def test_fsdp2_and_explicit_collectives_are_counted_from_the_nccl_recorder(nccl_group, tmp_path):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.debug import CommDebugMode
 
+    from rankscope.flight_recorder import dump_flight_recorder
     from rankscope.process_groups import op_of
 
     dist = nccl_group
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)).cuda()
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    model = monitor.watch(fully_shard(model))
-    # Per-collective device durations in the flight recorder: what RANKSCOPE_COLLECTIVE_TIMING=1 turns on
-    # (docs/collectives.md: opt-in, it can cost compute/communication overlap under CUDA_DEVICE_MAX_CONNECTIONS=1).
-    reader = monitor.process_groups
-    reader._timing = True
-    reader.poll()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x, y = torch.randn(256, 1024, device="cuda"), torch.randn(256, 1024, device="cuda")
+    with open_monitor(device=DEVICE, backend="nccl") as monitor:
+        reader = monitor.process_groups
+        assert "nccl" in reader.cursors, reader.cursors
+        reader._timing = True   # durations too (RANKSCOPE_COLLECTIVE_TIMING=1)
+        reader.poll()
+        model = model_1k()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        model = monitor.watch(fully_shard(model))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x, y = torch.randn(256, 1024, device=DEVICE), torch.randn(256, 1024, device=DEVICE)
+        side = dist.new_group([0])   # a sub-group, as tensor or pipeline parallelism creates
 
-    def counts() -> dict[str, float]:
-        reader.poll(final=True)
-        return {op: c._value.get() for g in reader.groups.values() for op, (c, _) in g.series.items()}
+        def counts() -> dict[str, float]:
+            reader.poll(final=True)
+            out: dict[str, float] = {}
+            for (recorder, _), g in reader.groups.items():
+                for op, (c, _) in g.series.items():
+                    out[f"{recorder}:{op}"] = out.get(f"{recorder}:{op}", 0) + c._value.get()
+            return out
 
-    torch.nn.functional.mse_loss(model(x), y).backward()   # warm-up: lazy init
-    opt.step()
-    torch.cuda.synchronize()
-    before = counts()
-    expected: dict[str, int] = {}
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(10):
-            with CommDebugMode() as cdm:
-                with monitor.step(samples=256) as step:
-                    with step.phase("forward"):
-                        loss = torch.nn.functional.mse_loss(model(x), y)
-                    with step.phase("backward"):
-                        loss.backward()
-                    with step.phase("optimizer"):
-                        opt.step()
-                        opt.zero_grad(set_to_none=True)
-            for op, n in cdm.get_comm_counts().items():
-                name = op_of("cdm:" + str(op).split(".")[-1])
-                expected[name] = expected.get(name, 0) + n
-            reader.poll()   # the reader's work must not synchronise either
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    time.sleep(1.0)   # NCCL's watchdog writes durations when it sees the work done
-    after = counts()
-    seen = {op: after[op] - before.get(op, 0) for op in after if after[op] - before.get(op, 0)}
-    assert expected.get("all_gather", 0) > 0 and expected.get("reduce_scatter", 0) > 0, expected
+        torch.nn.functional.mse_loss(model(x), y).backward()   # warm-up: lazy init
+        opt.step()
+        torch.cuda.synchronize()
+        before = counts()
+        expected: dict[str, int] = {}
+        with no_sync_allowed() as syncs:
+            for _ in range(10):
+                with CommDebugMode() as cdm:
+                    with monitor.step(samples=256) as step:
+                        with step.phase("forward"):
+                            loss = torch.nn.functional.mse_loss(model(x), y)
+                        with step.phase("backward"):
+                            loss.backward()
+                        with step.phase("optimizer"):
+                            opt.step()
+                            opt.zero_grad(set_to_none=True)
+                    out = torch.empty(2048, device=DEVICE)
+                    dist.all_gather_into_tensor(out, torch.ones(2048, device=DEVICE), group=side)
+                    dist.reduce_scatter_tensor(torch.empty(2048, device=DEVICE), out, group=side)
+                for op, n in cdm.get_comm_counts().items():
+                    key = "nccl:" + op_of("cdm:" + str(op).split(".")[-1])
+                    expected[key] = expected.get(key, 0) + n
+                reader.poll()   # the reader's work must not synchronise either
+        torch.cuda.synchronize()
+        time.sleep(1.0)   # NCCL's watchdog writes durations when it sees the work done
+        after = counts()
+        seen = {op: after[op] - before.get(op, 0) for op in after if after[op] - before.get(op, 0)}
+        timed = sum(sum(b.get() for b in child._buckets) for child in reader._m._durations.values())
+        dumps = dump_flight_recorder(tmp_path, 0)
+        dumped = pickle.loads(dumps[0].read_bytes()) if dumps else {}
+        nccl_entries = [e for e in dumped.get("entries", []) if str(e.get("profiling_name", "")).startswith("nccl:")]
+        record("fsdp2_nccl_recorder", {"rankscope": seen, "CommDebugMode": expected, "durations": timed,
+                                       "syncs": dict(syncs), "dump": [p.name for p in dumps],
+                                       "dump_nccl_entries": len(nccl_entries)})
+    assert expected.get("nccl:all_gather", 0) >= 10 and expected.get("nccl:reduce_scatter", 0) >= 10, expected
     assert seen == expected, (seen, expected)
-    timed = sum(sum(b.get() for b in child._buckets)
-                for child in reader._m._durations.values())
-    assert timed >= sum(expected.values()) - 2   # the last few may still await the watchdog
-    print(f"FSDP2 on NCCL, 10 steps: rankscope {seen}, CommDebugMode {expected}, {timed:.0f} durations")
+    assert sum(syncs.values()) == 0, syncs
+    assert timed >= sum(expected.values()) - 4   # the last few may still await the watchdog
+    assert dumps and dumps[0].name == "nccl_trace_rank_0" and nccl_entries
 
 
-def test_nvml_readings_are_sane():
-    from rankscope.exporter.nvml import NvmlCollector
+# -- 7. MFU and allocator figures --------------------------------------------------------------
 
-    collector = NvmlCollector(node="gpu-node")
-    assert collector.available, collector.error
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in collector.collect() for s in family.samples}
-    by_name: dict[str, list[float]] = {}
-    for (name, _), v in samples.items():
-        by_name.setdefault(name, []).append(v)
-    for name, values in sorted(by_name.items()):
-        print(f"{name}: {values[:4]}")
-    assert all(0 <= v <= 1 for v in by_name["rankscope_gpu_utilization_ratio"])
-    assert all(v > 1e9 for v in by_name["rankscope_gpu_memory_total_bytes"])
-    assert all(0 < v < 120 for v in by_name["rankscope_gpu_temperature_celsius"])
-    assert all(v > 0 for v in by_name["rankscope_gpu_power_watts"])
-    assert all(v > 1e8 for v in by_name["rankscope_gpu_sm_clock_hertz"])
-    uuids = {dict(k[1])["uuid"] for k in samples if k[0] == "rankscope_gpu_info"}
-    assert all(u.startswith("GPU-") for u in uuids)
+def test_mfu_from_the_nvml_name_and_allocator_figures(nccl_group):
+    from rankscope.flops import FlopsConfig, lookup_peak_flops
+
+    name = torch.cuda.get_device_name(0)
+    batch, width = 512, 4096
+    per_sample = 6 * (2 * width * width)   # two linear layers, forward and backward
+    flops = FlopsConfig(flops_per_sample=per_sample, dtype="bf16")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width, bias=False), torch.nn.Linear(width, width, bias=False))
+    model = model.to(DEVICE, torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, width, device=DEVICE, dtype=torch.bfloat16)
+    with open_monitor(device=DEVICE, backend="nccl", flops=flops, memory_every_s=0.05) as monitor:
+        for _ in range(3):
+            model(x).float().square().mean().backward()
+        torch.cuda.synchronize()
+        steps = 100
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            with monitor.step(samples=batch):
+                model(x).float().square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        monitor.publisher._last_memory = 0.0
+        monitor.publisher.flush()
+        stats = torch.cuda.memory_stats(0)
+        m = monitor.metrics
+        peak = m.peak_flops._value.get() if m.peak_flops is not None else None
+        model_flops = m.model_flops._value.get()
+        figures = {
+            "nvml_name": name, "peak_flops": peak, "table_peak": lookup_peak_flops(name, "bf16"),
+            "mfu": model_flops / elapsed / peak if peak else None,
+            "allocated": [m.mem_allocated._value.get(), stats["allocated_bytes.all.current"]],
+            "reserved": [m.mem_reserved._value.get(), stats["reserved_bytes.all.current"]],
+            "peak_allocated": [m.mem_peak._value.get(), stats["allocated_bytes.all.peak"]],
+            "device_memory_total": [m.mem_total._value.get(), torch.cuda.get_device_properties(0).total_memory],
+        }
+    record("mfu_and_allocator", figures)
+    assert peak is not None and peak == figures["table_peak"], figures
+    assert 0.05 < figures["mfu"] < 1.0, figures
+    assert model_flops == pytest.approx(per_sample * batch * steps)
+    for key in ("allocated", "reserved", "peak_allocated", "device_memory_total"):
+        assert figures[key][0] == figures[key][1], (key, figures[key])
