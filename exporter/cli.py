@@ -18,7 +18,7 @@ from typing import Mapping
 from prometheus_client import CollectorRegistry
 
 from rankscope.contract.environment import ConfigError
-from rankscope.contract.rundir import load_registrations
+from rankscope.contract.rundir import forget_exporter_address, load_registrations, save_exporter_address
 from rankscope.exporter.collector import NodeCollector
 from rankscope.exporter.compaction import Compactor
 from rankscope.exporter.config import RANK_HISTOGRAM_MODES, ExporterConfig, ExporterConfigError
@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rankscope-exporter: error: {_origin(args.addr, 'addr')}/{port}: "
                   f"cannot listen on {cfg.addr}:{cfg.port}: {e.strerror or e}", file=sys.stderr)
         return 2
+    try:   # where it listens, for the ranks and `rankscope top` of this directory
+        save_exporter_address(cfg.directory, cfg.addr, server.server_address[1])
+    except OSError as e:
+        log.warning("cannot write %s/exporter.json: %s", cfg.directory, e)
     scheme = "https" if web is not None and web.ssl_context is not None else "http"
     log.info("serving %s://%s:%d/metrics for %s (node %s)%s", scheme, cfg.addr, cfg.port, cfg.directory, cfg.node,
              " with basic auth" if web is not None and web.auth_required else "")
@@ -117,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         server.server_close()
+        forget_exporter_address(cfg.directory)
     return 0
 
 
@@ -137,14 +142,19 @@ def _prepare_directory(directory: Path, name: str) -> None:
 
 def _janitor(server, cfg: ExporterConfig, ranks: RankCollector, scrape_lock: threading.Lock) -> None:
     """Everything that deletes, away from the scrapes (which only read): removes
-    runs past their retention, compacts dead processes' files (compaction.py) and,
-    with --exit-when-idle, stops the server once no rank has been alive that long
-    (auto-started exporters go away with their runs)."""
+    runs past their retention (from the start: what an exporter before this one
+    left), compacts dead processes' files (compaction.py) and, with
+    --exit-when-idle, stops the server once no rank has been alive that long and
+    the runs it served are gone: an auto-started exporter goes away with its runs,
+    and leaves none of their files behind."""
     last_alive = time.time()
     logged = False
     compactor = Compactor(cfg.compact_after_s)
+    first = True
     while True:
-        time.sleep(JANITOR_INTERVAL_S)
+        if not first:
+            time.sleep(JANITOR_INTERVAL_S)
+        first = False
         now = time.time()
         try:
             if cfg.exit_when_idle_s and _any_rank_alive(ranks):
@@ -161,8 +171,13 @@ def _janitor(server, cfg: ExporterConfig, ranks: RankCollector, scrape_lock: thr
             if not logged:
                 log.exception("clean-up failed (retried every %.0f s, logged once)", JANITOR_INTERVAL_S)
                 logged = True
-        if cfg.exit_when_idle_s and now - last_alive > cfg.exit_when_idle_s:
-            log.info("no rank alive for %.0f s: exiting", cfg.exit_when_idle_s)
+        idle = now - last_alive
+        if cfg.exit_when_idle_s and idle > cfg.exit_when_idle_s:
+            # Finished runs stay served, then removed, until their retention is over (bounded:
+            # a run that cannot be removed does not keep the exporter forever).
+            if _run_dirs(ranks) and idle <= cfg.retention_s + 3 * JANITOR_INTERVAL_S:
+                continue
+            log.info("no rank alive for %.0f s: exiting", idle)
             server.shutdown()
             return
 
@@ -172,6 +187,13 @@ def _remove_expired_runs(cfg: ExporterConfig, ranks: RankCollector, scrape_lock:
         log.info("removing %s: every rank gone for more than %.0f s", run_dir, cfg.retention_s)
         with scrape_lock:   # not while a scrape reads the run's files
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _run_dirs(ranks: RankCollector) -> list:
+    try:
+        return list(ranks.run_dirs())
+    except OSError:
+        return []
 
 
 def _any_rank_alive(ranks: RankCollector) -> bool:

@@ -39,13 +39,14 @@ class ExporterConfig:
     """Heartbeat older than this while the process is alive: frozen."""
     suspect_after_s: float = setting(default=10.0, env="RANKSCOPE_SUSPECT_AFTER_S", option="--suspect-after")
     """Peers waiting in a collective this long make a rank outside any collective a hang suspect."""
-    retention_s: float = setting(default=900.0, option="--retention")
+    retention_s: float = setting(default=900.0, env="RANKSCOPE_RETENTION_S", option="--retention")
     """A run whose ranks are all gone is served this long, then its files are removed."""
     compact_after_s: float = setting(default=30.0, option="--compact-after")
     """Fold a dead rank process's files into its launch's compacted files once it has been dead this long
     (rankscope.exporter.compaction)."""
-    exit_when_idle_s: float = setting(default=0.0, option="--exit-when-idle")
-    """Exit after no rank has been alive for this long (0: never; for auto-started exporters)."""
+    exit_when_idle_s: float = setting(default=0.0, env="RANKSCOPE_EXIT_WHEN_IDLE_S", option="--exit-when-idle")
+    """Exit after no rank has been alive for this long and the runs served are past their retention
+    (0: never; auto-started exporters: 300)."""
     rank_histograms: str = setting(default="full", env="RANKSCOPE_RANK_HISTOGRAMS", option="--rank-histograms")
     """full: every bucket of every rank; sum-count: each per-rank histogram as its _sum and _count only;
     node-buckets: sum-count plus the buckets summed over the node's ranks (rankscope_node_*)."""

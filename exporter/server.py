@@ -165,7 +165,7 @@ class _SharedCollection:
 def make_app(cfg: ExporterConfig, registry: CollectorRegistry, lock: threading.Lock | None = None,
              web: WebConfig | None = None):
     started = {"pid": os.getpid(), "service": "rankscope-exporter", "version": __version__,
-               "directory": str(cfg.directory), "node": cfg.node}
+               "directory": str(cfg.directory), "node": cfg.node, "uid": os.getuid()}
     # prometheus_client's make_wsgi_app, rendering from cached series prefixes (exposition.py).
     metrics = _SharedCollection(make_metrics_app(registry))
     if lock is not None:

@@ -13,6 +13,7 @@ import pytest
 
 from rankscope.console.report import parse_time, straggler_ranking
 from rankscope.console.sources import Series, SourceError, exporter_url, local_exporter_url, parse_duration
+from rankscope.contract.rundir import save_exporter_address
 from rankscope.console.top import PHASE_BAR_WIDTH, Screen, phase_bar, render, rows_shown
 from rankscope.console.view import build_view, choose_run, histogram_quantile
 
@@ -123,7 +124,7 @@ def test_straggler_ranking_orders_by_compute_over_the_median():
     assert ranking[2]["comm_wait_per_step_s"] == 0.05
 
 
-def test_times_durations_and_urls():
+def test_times_durations_and_urls(tmp_path):
     now = 1_000_000.0
     assert parse_time("now", now) == now
     assert parse_time("now-2h", now) == now - 7200
@@ -137,8 +138,13 @@ def test_times_durations_and_urls():
     assert exporter_url("node1:9400") == "http://node1:9400/metrics"
     assert exporter_url("https://node1:9400/") == "https://node1:9400/metrics"
     assert exporter_url("http://node1:9400/metrics") == "http://node1:9400/metrics"
-    assert local_exporter_url({}) == "http://127.0.0.1:9400/metrics"
+    mine = {"RANKSCOPE_METRICS_DIR": str(tmp_path)}
+    assert local_exporter_url(mine) == "http://127.0.0.1:9400/metrics"
     assert local_exporter_url({"RANKSCOPE_METRICS_PORT": "9555", "RANKSCOPE_METRICS_ADDR": "0.0.0.0"}) \
         == "http://127.0.0.1:9555/metrics"
+    # Another user's exporter holds 9400: this user's said where it listens (a live pid: this one).
+    save_exporter_address(tmp_path, "0.0.0.0", 41234)
+    assert local_exporter_url(mine) == "http://127.0.0.1:41234/metrics"
+    assert local_exporter_url(mine | {"RANKSCOPE_METRICS_PORT": "9555"}) == "http://127.0.0.1:9555/metrics"
     with pytest.raises(SourceError, match="RANKSCOPE_METRICS_PORT"):
         local_exporter_url({"RANKSCOPE_METRICS_PORT": "http"})

@@ -75,9 +75,12 @@ def test_explicit_beats_environment(tmp_path):
 
 def test_only_the_documented_variables_are_read():
     """Other RANKSCOPE_* names (the ranks', the Slurm scripts' RANKSCOPE_PORT) are not the exporter's."""
-    env = {"RANKSCOPE_PORT": "1", "RANKSCOPE_ADDR": "x", "RANKSCOPE_DIRECTORY": "/x", "RANKSCOPE_RETENTION_S": "0",
-           "RANKSCOPE_NVML": "no", "RANKSCOPE_EXIT_WHEN_IDLE_S": "-1", "RANKSCOPE_WEB_CONFIG": "/x.yml"}
+    env = {"RANKSCOPE_PORT": "1", "RANKSCOPE_ADDR": "x", "RANKSCOPE_DIRECTORY": "/x", "RANKSCOPE_RETENTION": "0",
+           "RANKSCOPE_NVML": "no", "RANKSCOPE_EXIT_WHEN_IDLE": "-1", "RANKSCOPE_WEB_CONFIG": "/x.yml"}
     assert from_cli([], env) == from_cli([], {})
+    # The two an auto-started exporter takes from its job's environment (README, "Run the exporter").
+    cfg = from_cli([], {"RANKSCOPE_RETENTION_S": "60", "RANKSCOPE_EXIT_WHEN_IDLE_S": "5"})
+    assert (cfg.retention_s, cfg.exit_when_idle_s) == (60.0, 5.0)
 
 
 def test_rank_side_config_still_reads_rankscope_field_names():

@@ -62,10 +62,47 @@ def test_identity_from_torchrun_slurm_and_defaults():
                                        "SLURMD_NODENAME": "gpu17"})
     assert (slurm.run, slurm.rank, slurm.node, slurm.slurm_job_id) == ("4242", 5, "gpu17", "4242")
     assert RankIdentity.from_env(env={}).run == "default"
+    # torchrun --master-addr/--master-port (static rendezvous: its run id is "none"): the endpoint
+    static = {"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "10.0.0.7",
+              "MASTER_PORT": "29511"}
+    assert RankIdentity.from_env(env=static).run == "10.0.0.7:29511"
+    assert RankIdentity.from_env(env=static | {"SLURM_JOB_ID": "4242"}).run == "4242"        # the scheduler's id
+    assert RankIdentity.from_env(env=static | {"JOB_NAME": "llama-pretrain"}).run == "llama-pretrain"
+    assert RankIdentity.from_env(env=static | {"TORCHELASTIC_RUN_ID": "rdzv-9"}).run == "rdzv-9"
+    assert RankIdentity.from_env(env=static | {"RANKSCOPE_RUN": "mine"}).run == "mine"
     with pytest.raises(ConfigError, match="RANK"):
         RankIdentity.from_env(env={"RANK": "x"})
     with pytest.raises(ConfigError, match="outside WORLD_SIZE"):
         RankIdentity.from_env(env={"RANK": "4", "WORLD_SIZE": "4"})
+
+
+def test_a_second_live_job_on_a_run_id_in_use_is_caught(tmp_path, caplog):
+    """Two jobs that land on one run id on one node would add their counts up: another live
+    launcher's live rank in the run's directory is caught at start-up. A single-process job
+    takes a run id of its own; a distributed one is refused, naming the other job."""
+    from rankscope.contract.rundir import Registration, process_start_ticks, run_slug
+    from rankscope.startup import claim_run
+
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        ticks = process_start_ticks(other.pid)
+        run_dir = tmp_path / run_slug("shared")
+        Registration(run="shared", rank=0, local_rank=0, node="n1", world_size=2, local_world_size=2,
+                     pid=other.pid, pid_start_ticks=ticks, agent_pid=other.pid, agent_start_ticks=ticks,
+                     started_at=time.time()).save(run_dir)
+        alone = RankIdentity.from_env(env={"RANKSCOPE_RUN": "shared"})
+        with caplog.at_level("WARNING", logger="rankscope"):
+            own = claim_run(alone, tmp_path)
+        assert own.run == f"shared-{os.getpid()}" and f"pid {other.pid}" in caplog.text
+        distributed = RankIdentity.from_env(env={"RANKSCOPE_RUN": "shared", "RANK": "1", "WORLD_SIZE": "2"})
+        with pytest.raises(ConfigError, match=rf"run 'shared' on node .* still running \(its rank 0 is pid "
+                                              rf"{other.pid}.*RANKSCOPE_RUN"):
+            claim_run(distributed, tmp_path)
+        assert claim_run(RankIdentity.from_env(env={"RANKSCOPE_RUN": "another"}), tmp_path).run == "another"
+    finally:
+        other.kill()
+        other.wait()
+    assert claim_run(distributed, tmp_path).run == "shared"   # its job is gone: a relaunch, not a clash
 
 
 # -- divergence detection ----------------------------------------------------------

@@ -57,7 +57,7 @@ from rankscope.identity import RankIdentity
 from rankscope.memory import MemorySampler
 from rankscope.metrics import RankMetrics
 from rankscope.publisher import Publisher
-from rankscope.startup import RankInfo, prepare_run_dir
+from rankscope.startup import RankInfo, claim_run, prepare_run_dir
 from rankscope.steps import Step, StepTimer
 from rankscope.tracing import Tracing, build_tracing
 from rankscope.user_metrics import UserMetric, UserMetrics
@@ -75,7 +75,7 @@ class Monitor:
         self.config = config if config is not None else MonitorConfig.from_env(**options)
         # FLOPs per token or sample, for MFU (rankscope.flops; RANKSCOPE_MODEL_PARAMS and friends)
         self.flops = flops if flops is not None else FlopsConfig.from_env()
-        self.identity = RankIdentity.from_env(self.config.run)
+        self.identity = claim_run(RankIdentity.from_env(self.config.run), self.config.metrics_dir)
         self.run_dir = self.config.metrics_dir / run_slug(self.identity.run)
         self.errors = TelemetryErrors()
         # Everything that can reject the configuration runs before anything is started.
@@ -100,7 +100,9 @@ class Monitor:
         if cfg.exporter != "off" and self.identity.local_rank == 0:
             from rankscope.launch import ensure_exporter
 
-            ensure_exporter(cfg.metrics_addr, cfg.metrics_port, cfg.metrics_dir, cfg.exporter)
+            url = ensure_exporter(cfg.metrics_addr, cfg.metrics_port, cfg.metrics_dir, cfg.exporter)
+            if self.sink is not None:
+                self.sink.local_exporter(url)   # another user's exporter may hold the configured port
         # The CUDA device: given, else learnt from the model watch() sees or the first CUDA value.
         self.device = RankDevice(self.errors.drop)
         try:

@@ -53,6 +53,8 @@ collectives of any further group are counted as dropped (``process_group``).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import http.client
 import json
 import logging
@@ -192,17 +194,54 @@ class FlightRecorderSource:
             path = Path(tempfile.mkdtemp(prefix="rankscope-fr-")) / "fr.sock"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)
-        self._server = _WorkerServer(str(path))
+        with _c10_warnings_quiet():
+            self._server = _WorkerServer(str(path))
         os.chmod(path, 0o600)   # the server also answers stack dumps: this user only
         self._path = str(path)
 
     def close(self) -> None:
         if self._server is not None:
             try:
-                self._server.shutdown()
+                with _c10_warnings_quiet():
+                    self._server.shutdown()
             finally:
                 self._server = None
                 Path(self._path).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _c10_warnings_quiet():
+    """torch's worker server announces its start and stop as warnings on every rank ("Server
+    listening to UNIX ...", "shutting down", "exited"): nothing the user asked for. c10's log
+    level is raised to errors for just those two calls (a c10 warning another thread logs in
+    that millisecond is lost with them); where the level cannot be reached, nothing changes."""
+    level = _c10_log_level()
+    if level is None:
+        yield
+        return
+    before = level.value
+    level.value = max(before, C10_LOG_ERROR)
+    try:
+        yield
+    finally:
+        level.value = before
+
+
+C10_LOG_ERROR = 2   # c10's severities: 0 info, 1 warning, 2 error, 3 fatal
+
+
+@functools.cache
+def _c10_log_level() -> Any:
+    """libc10's minimum log level (FLAGS_caffe2_log_level, which TORCH_CPP_LOG_LEVEL sets at import)."""
+    try:
+        import ctypes
+
+        import torch
+
+        library = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
+        return ctypes.c_int.in_dll(library, "FLAGS_caffe2_log_level")
+    except (OSError, ValueError):
+        return None
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -285,9 +324,12 @@ class ProcessGroupReader:
         if not self._lock.acquire(timeout=1.0):
             return
         try:
-            if not self._initialized():
+            # torch's recorders outlive the process groups: the final read (close(), or the
+            # exit hook) still counts the last collectives of a job that destroyed its groups first.
+            initialized = self._initialized()
+            if not initialized and not final:
                 return
-            if self._timing:
+            if self._timing and initialized:
                 self._enable_timing()
             seen = False
             for cursor in self.cursors.values():

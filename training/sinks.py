@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from rankscope.contract.environment import ConfigError
+from rankscope.contract.environment import ConfigError, metrics_url
 
 log = logging.getLogger("rankscope")
 
@@ -109,11 +109,6 @@ def check_mlflow_uri(uri: str) -> str:
     return scheme
 
 
-def local_exporter_url(addr: str, port: int) -> str:
-    addr = "127.0.0.1" if addr in ("0.0.0.0", "::", "") else addr
-    return f"http://[{addr}]:{port}/metrics" if ":" in addr else f"http://{addr}:{port}/metrics"
-
-
 def build(config: Any, identity: Any, errors: Any) -> "Sink | None":
     """The sink this rank runs, or None (not rank 0, or nothing configured). Checks now, at
     start-up, everything that would otherwise fail later: the optional packages, a directory
@@ -124,7 +119,7 @@ def build(config: Any, identity: Any, errors: Any) -> "Sink | None":
         return None
     urls = []
     if config.exporter != "off":
-        urls.append(local_exporter_url(config.metrics_addr, config.metrics_port))
+        urls.append(metrics_url(config.metrics_addr, config.metrics_port))   # the node's own: first
     urls += [u for u in exporter_urls(config.sink_exporters) if u not in urls]
     if not urls:
         raise ConfigError("the TensorBoard / MLflow sink reads the node exporters' /metrics, and exporter=off "
@@ -632,6 +627,11 @@ class Sink:
     @property
     def backends(self) -> list[Backend]:
         return [w.backend for w in self.writers]
+
+    def local_exporter(self, url: str) -> None:
+        """The node's own exporter answers at ``url``, found at start-up (another user's exporter
+        may hold the configured port)."""
+        self.urls[0] = url
 
     def start(self) -> None:
         for w in self.writers:

@@ -1,5 +1,8 @@
 """What a rank does once, at start-up: claim its run directory and describe itself.
 
+* ``claim_run``: no other live job on this node uses the run id (two jobs'
+  counts would add up in one run): a single-process job takes a run id of its
+  own, a distributed one is refused with both jobs named.
 * ``prepare_run_dir``: the run's directory is writable (or a ConfigError
   now), files of an earlier launch of the same run on this node are removed
   (or a re-run would add to its counters), and the rank's registration is
@@ -13,14 +16,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from rankscope.contract.environment import ConfigError
-from rankscope.contract.rundir import Registration, process_start_ticks, remove_previous_launch
+from rankscope.contract.rundir import (Registration, load_registrations, process_start_ticks, remove_previous_launch,
+                                       run_slug)
 from rankscope.identity import RankIdentity
+
+log = logging.getLogger("rankscope")
 
 
 def launcher_pid(env: Mapping[str, str] | None = None) -> int:
@@ -33,6 +41,38 @@ def launcher_pid(env: Mapping[str, str] | None = None) -> int:
     """
     env = os.environ if env is None else env
     return os.getppid() if "TORCHELASTIC_RESTART_COUNT" in env else os.getpid()
+
+
+def claim_run(identity: RankIdentity, metrics_dir: Path) -> RankIdentity:
+    """``identity``, unless another job that is still running uses its run id on this node.
+
+    Another job is another launcher (torchrun agent) that is alive, with a rank process
+    that is alive: its counts must not be mixed with this one's, and nothing it counted
+    may be removed. A restart by the same launcher, or the leftovers of a finished launch,
+    are not another job (``prepare_run_dir`` handles them). A single-process job then
+    takes a run id of its own, ``<run>-<pid>``, said once; a distributed job cannot (its
+    ranks on other nodes would not follow) and is refused at start-up, naming both jobs."""
+    run_dir = metrics_dir / run_slug(identity.run)
+    if not run_dir.is_dir():
+        return identity
+    launcher = launcher_pid()
+    ticks = process_start_ticks(launcher)
+    others = [reg for reg in load_registrations(run_dir)
+              if not (reg.agent_pid == launcher and reg.agent_start_ticks == ticks)
+              and reg.pid != os.getpid() and reg.process_alive() and reg.agent_alive()]
+    if not others:
+        return identity
+    other = min(others, key=lambda reg: reg.rank)
+    described = (f"run {identity.run!r} on node {identity.node} is already used by a job that is still running "
+                 f"(its rank {other.rank} is pid {other.pid}, launched by pid {other.agent_pid}, since "
+                 f"{time.strftime('%H:%M:%S', time.localtime(other.started_at))})")
+    if identity.world_size == 1:
+        own = dataclasses.replace(identity, run=f"{identity.run}-{os.getpid()}")
+        log.warning("rankscope: %s; this process (pid %d) reports as run %r instead. Set RANKSCOPE_RUN to name "
+                    "your runs.", described, os.getpid(), own.run)
+        return own
+    raise ConfigError(f"{described}; this job (launched by pid {launcher}) would add its counts to that run's. "
+                      "Give each job its own run: RANKSCOPE_RUN, or torchrun --rdzv-id", field="run")
 
 
 def prepare_run_dir(run_dir: Path, identity: RankIdentity) -> Registration:

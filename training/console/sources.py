@@ -17,15 +17,16 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Mapping, NamedTuple
 
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from rankscope.contract.environment import DEFAULT_ADDR, DEFAULT_PORT, ConfigError, env_value
+from rankscope.contract.environment import DEFAULT_ADDR, DEFAULT_PORT, ConfigError, env_value, metrics_url
+from rankscope.contract.rundir import default_metrics_dir, exporter_address
 
 DEFAULT_EXPORTER = f"http://{DEFAULT_ADDR}:{DEFAULT_PORT}/metrics"
-WILDCARD_ADDRS = ("0.0.0.0", "::", "")
 # Labels Prometheus adds on scrape; two jobs scraping one exporter give the same rank series twice.
 TARGET_LABELS = ("job", "instance")
 
@@ -73,15 +74,19 @@ def _origin(url: str) -> str:
 
 
 def local_exporter_url(env: Mapping[str, str]) -> str:
-    """This node's exporter, where the ranks and the exporter put it: RANKSCOPE_METRICS_ADDR and
-    RANKSCOPE_METRICS_PORT, else 127.0.0.1:9400 (an exporter bound to every address answers on loopback)."""
+    """This user's exporter on this node, where the ranks and the exporter put it:
+    RANKSCOPE_METRICS_ADDR and RANKSCOPE_METRICS_PORT; else where the exporter of this user's
+    metrics directory says it listens (another user's may hold 9400); else 127.0.0.1:9400."""
     try:
-        port = env_value(env, "RANKSCOPE_METRICS_PORT", int, DEFAULT_PORT)
+        port = env_value(env, "RANKSCOPE_METRICS_PORT", int, None)
         addr = env_value(env, "RANKSCOPE_METRICS_ADDR", str, DEFAULT_ADDR)
+        directory = env_value(env, "RANKSCOPE_METRICS_DIR", str, None)
     except ConfigError as e:
         raise SourceError(str(e)) from None
-    addr = DEFAULT_ADDR if addr in WILDCARD_ADDRS else addr
-    return f"http://[{addr}]:{port}/metrics" if ":" in addr else f"http://{addr}:{port}/metrics"
+    if port is None:
+        recorded = exporter_address(Path(directory) if directory else default_metrics_dir())
+        addr, port = recorded if recorded is not None else (addr, DEFAULT_PORT)
+    return metrics_url(addr, port)
 
 
 def exporter_url(text: str) -> str:

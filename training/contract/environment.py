@@ -23,6 +23,14 @@ from typing import Any, Mapping, TypeVar
 PREFIX = "RANKSCOPE_"
 DEFAULT_PORT = 9400
 DEFAULT_ADDR = "127.0.0.1"
+WILDCARD_ADDRS = ("0.0.0.0", "::", "")
+
+
+def metrics_url(addr: str, port: int) -> str:
+    """The /metrics URL of an exporter listening on ``addr:port``, as this node reaches it (one
+    bound to every address answers on loopback)."""
+    addr = DEFAULT_ADDR if addr in WILDCARD_ADDRS else addr
+    return f"http://[{addr}]:{port}/metrics" if ":" in addr else f"http://{addr}:{port}/metrics"
 
 T = TypeVar("T")
 

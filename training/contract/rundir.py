@@ -2,6 +2,8 @@
 
 Layout, under the node's metrics directory (``default_metrics_dir()``)::
 
+    exporter.json               where the exporter serving this directory listens (it writes it)
+    exporter.log                an auto-started exporter's log
     <run-slug>/                 one per training run
         counter_<pid>.db ...    prometheus_client multiprocess files, one set per rank process
         ranks/rank-<N>-<pid>.json  registration of one process of rank N: identity, pid,
@@ -25,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 RANKS_SUBDIR = "ranks"
+EXPORTER_FILE = "exporter.json"
 
 
 def default_metrics_dir() -> Path:
@@ -36,6 +39,36 @@ def default_metrics_dir() -> Path:
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
     return base / f"rankscope-{os.getuid()}"
+
+
+def save_exporter_address(directory: Path, addr: str, port: int) -> Path:
+    """The exporter serving ``directory`` says where it listens (atomically): its port need not be
+    the default one (another user's exporter may hold that)."""
+    path = directory / EXPORTER_FILE
+    tmp = path.with_name(f".{EXPORTER_FILE}.{os.getpid()}")
+    tmp.write_text(json.dumps({"addr": addr, "port": port, "pid": os.getpid()}))
+    os.replace(tmp, path)
+    return path
+
+
+def exporter_address(directory: Path) -> tuple[str, int] | None:
+    """(addr, port) where the exporter of ``directory`` said it listens, if it did and still runs."""
+    try:
+        doc = json.loads((directory / EXPORTER_FILE).read_text())
+        addr, port, pid = str(doc["addr"]), int(doc["port"]), int(doc["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (addr, port) if process_start_ticks(pid) is not None else None
+
+
+def forget_exporter_address(directory: Path) -> None:
+    """At the exporter's exit: remove its address if it is still its own."""
+    path = directory / EXPORTER_FILE
+    try:
+        if int(json.loads(path.read_text())["pid"]) == os.getpid():
+            path.unlink()
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
 
 
 def run_slug(run: str) -> str:
