@@ -1,4 +1,4 @@
-"""rankscope.process_groups without a job: op names, group labels, message sizes,
+"""rankscope.collectives.process_groups without a job: op names, group labels, message sizes,
 and the reader's bookkeeping over flight-recorder JSON as torch 2.13 writes it
 (incremental reads, entries lost to the ring, the group budget, in-flight ages).
 The same reader against a real recorder is tested in test_collectives_process_groups.py."""
@@ -10,7 +10,7 @@ import json
 import pytest
 
 from rankscope.contract.catalog import PROCESS_GROUP_OPS
-from rankscope.process_groups import ProcessGroupReader, entry_nbytes, group_label, op_of
+from rankscope.collectives.process_groups import ProcessGroupReader, entry_nbytes, group_label, op_of
 
 
 @pytest.mark.parametrize("name, op", [
@@ -339,7 +339,7 @@ def test_the_nccl_recorder_is_read_besides_the_cpu_one_each_with_its_own_record_
 def test_the_cpu_half_of_a_group_with_two_backends_is_its_own_sequence(monkeypatch):
     """A "cuda:nccl,cpu:gloo" group numbers its NCCL and its gloo collectives separately; published
     under one group_id the two sequences would be compared as one (a false CollectiveBehind)."""
-    from rankscope import process_groups
+    from rankscope.collectives import process_groups
 
     monkeypatch.setattr(process_groups, "_has_cuda_backend", lambda name: name == "0")
     cpu, nccl = FakeRecorder(), FakeRecorder()

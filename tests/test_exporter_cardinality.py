@@ -13,7 +13,7 @@ Against full mode, on the same rank files:
 * the scrape-time relabelling of docs/scaling.md drops exactly the per-rank
   buckets, and passes ``promtool check config``.
 
-The fast tests write real rank files with ``rankscope.metrics.RankMetrics`` in
+The fast tests write real rank files with ``rankscope.publishing.metrics.RankMetrics`` in
 this process (ten ranks of two runs: one pid, one label set per rank) and
 collect with ``RankCollector``. The integration tests run real rank processes,
 real exporter processes in each mode (flag and environment variable) and a
@@ -61,7 +61,7 @@ RUNS = {"job-a": ("node-a", 8), "job-b": ("node-a", 2)}
 def write_rank(metrics_dir: Path, run: str, node: str, rank: int, world: int, steps: int = 40):
     """One rank's files, written as a Monitor writes them (RankMetrics), with every per-rank histogram used:
     step and data-wait durations, two collective ops, two process groups. Returns the RankMetrics."""
-    from rankscope.metrics import RankMetrics
+    from rankscope.publishing.metrics import RankMetrics
 
     run_dir = metrics_dir / run_slug(run)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -194,7 +194,7 @@ import os, sys, time
 from pathlib import Path
 from rankscope.contract.catalog import RANK_INFO_LABELS
 from rankscope.contract.rundir import Registration, process_start_ticks
-from rankscope.metrics import RankMetrics
+from rankscope.publishing.metrics import RankMetrics
 
 run_dir, n = Path(sys.argv[1]), int(sys.argv[2])
 run_dir.mkdir(parents=True, exist_ok=True)

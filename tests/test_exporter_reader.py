@@ -6,7 +6,7 @@ from generate_latest and the OpenMetrics encoder.
 
 The files are real: written by prometheus_client's own multiprocess values
 (with a chosen process identifier, as tests/scale/db_growth.py does) and by
-rankscope.metrics.RankMetrics. Nothing here starts a process.
+rankscope.publishing.metrics.RankMetrics. Nothing here starts a process.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ def _oracle(run_dir: Path, dead: set[int], latest_pids: set[str]) -> list:
 
 
 def test_rank_collector_serves_the_merge_and_drops_dead_live_gauges(tmp_path):
-    from rankscope.metrics import RankMetrics
+    from rankscope.publishing.metrics import RankMetrics
 
     run_dir = tmp_path / "r"
     run_dir.mkdir()
@@ -299,7 +299,7 @@ def test_two_runs_in_one_directory_serve_each_family_once(tmp_path):
     from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
     from prometheus_client.parser import text_string_to_metric_families as parse_text
 
-    from rankscope.metrics import RankMetrics
+    from rankscope.publishing.metrics import RankMetrics
 
     me = os.getpid()
     for run in ("a", "b"):

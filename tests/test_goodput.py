@@ -1,4 +1,4 @@
-"""Goodput: where each rank process's wall time goes (rankscope.goodput), in a real job
+"""Goodput: where each rank process's wall time goes (rankscope.step.goodput), in a real job
 with checkpoints, a crash and a relaunch from the checkpoint, and in one process."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from rankscope import Monitor
 from rankscope.contract.catalog import GOODPUT_CATEGORIES
 from rankscope.contract.rundir import load_registrations
-from rankscope.goodput import TimeUse
+from rankscope.step.goodput import TimeUse
 from tests.helpers.jobs import TrainJob
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
@@ -124,9 +124,9 @@ def test_categories_of_a_monitored_loop_add_up_to_its_wall_time(tmp_path, monkey
 
 
 def test_a_hung_step_counts_as_idle_while_it_hangs(tmp_path, monkeypatch):
-    from rankscope import accounting
+    from rankscope.step import goodput
 
-    monkeypatch.setattr(accounting, "HUNG_AFTER_S", 0.3)
+    monkeypatch.setattr(goodput, "HUNG_AFTER_S", 0.3)
     for var in LAUNCH_VARS:
         monkeypatch.delenv(var, raising=False)
     m = Monitor(exporter="off", metrics_dir=tmp_path, run="hung", publish_interval_s=0.1)

@@ -127,7 +127,7 @@ def test_phases_sum_to_the_step_time_and_step_time_matches_the_trainers(run):
         save_s = value(run, "rankscope_user_checkpoint_save_seconds_sum", rank)
         runtime = run.results[int(rank)]["train_runtime"]
         assert steps_s + save_s == pytest.approx(runtime, rel=0.05), (steps_s, save_s, runtime)
-        # The same saves are goodput's checkpoint_save badput (rankscope.goodput).
+        # The same saves are goodput's checkpoint_save badput (rankscope.step.goodput).
         assert value(run, "rankscope_wall_seconds_total", rank, "checkpoint_save") == pytest.approx(save_s, rel=0.02)
 
 

@@ -17,8 +17,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 import rankscope
 from rankscope import ConfigError, Monitor, UsageError
-from rankscope.device import EventPool
-from rankscope.device_reads import MAX_PENDING, DeviceReads, DeviceValue
+from rankscope.device.rank_device import EventPool
+from rankscope.device.reads import MAX_PENDING, DeviceReads, DeviceValue
 from tests.helpers.otlp_receiver import OtlpReceiver
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
@@ -302,9 +302,9 @@ def test_without_a_process_group_rank_info_is_written_after_the_first_step(monit
 
 
 def test_dropped_step_durations_collectives_and_device_values_are_counted(monitor, monkeypatch):
-    from rankscope import accounting
+    from rankscope.step import handoff
 
-    monkeypatch.setattr(accounting, "MAX_PENDING_STEPS", 5)
+    monkeypatch.setattr(handoff, "MAX_PENDING_STEPS", 5)
     run_steps(monitor, 8)
     for _ in range(monitor.tracker.completed.maxlen + 3):
         monitor.tracker.end(-1, "all_reduce", 4, time.perf_counter(), time.time())
@@ -352,7 +352,7 @@ def test_publishes_never_overlap(monitor):
     """The OOM path and close() publish from the training thread; never inside the thread's own publish."""
     inside, most = [0], [0]
     lock = threading.Lock()
-    original = monitor.publisher._publish_steps
+    original = monitor.publisher._write_steps
 
     def slow_part():
         with lock:
@@ -363,7 +363,7 @@ def test_publishes_never_overlap(monitor):
         with lock:
             inside[0] -= 1
 
-    monitor.publisher._publish_steps = slow_part
+    monitor.publisher._write_steps = slow_part
     threads = [threading.Thread(target=monitor.publisher.flush) for _ in range(4)]
     for t in threads:
         t.start()
@@ -395,9 +395,7 @@ def test_a_cuda_anomaly_found_after_the_step_is_traced(tmp_path, monkeypatch):
                 with m.step():
                     pass
             step = m.steps.step
-            from rankscope.accounting import _context
-
-            context = _context(step, 0.01)          # what the step leaves for a deferred CUDA value
+            context = m.trace_feed.context_of(step, 0.01)   # what the step leaves for a deferred CUDA value
             reads = DeviceReads(EventPool(DoneEvent), on_drop=lambda what, reason: None)
             reads._values.append(DeviceValue("loss", torch.tensor(math.nan), DoneEvent(), context))
             for what, number, deferred_step in reads.ready_values():

@@ -5,7 +5,7 @@ part on two cores) and run in file order: exporter SIGKILLed and restarted,
 a rank SIGSTOPped and continued, a rank SIGKILLed; then a second job reuses
 the directory and run id. Drill 2's "the others keep being served" half, and
 drill 8 (load), use synthetic ranks: real processes writing real rank files
-through ``rankscope.metrics.RankMetrics``. Drills 4 and 5 use one real
+through ``rankscope.publishing.metrics.RankMetrics``. Drills 4 and 5 use one real
 Monitor in a single-rank loop.
 
 Every wait polls with a deadline; the only fixed windows are stated

@@ -27,8 +27,8 @@ import pytest
 from tests.helpers.jobs import TrainJob
 from rankscope.contract.rundir import process_state
 from tests.helpers.otlp_receiver import BlackHole, OtlpReceiver, closed_port_endpoint
-from rankscope.tracing import (ATTR_ANOMALY, ATTR_BUCKET, ATTR_BYTES, ATTR_OP, ATTR_PHASE, ATTR_RANK,
-                              ATTR_REASON, ATTR_STEP, ROOT_SPAN, step_trace_id)
+from rankscope.tracing.api import (ATTR_ANOMALY, ATTR_BUCKET, ATTR_BYTES, ATTR_OP, ATTR_PHASE, ATTR_RANK,
+                                   ATTR_REASON, ATTR_STEP, ROOT_SPAN, step_trace_id)
 
 EVERY = 10
 STEPS = 60

@@ -1,4 +1,4 @@
-"""rankscope.tracing on its own: configuration, trace ids, sampling, span
+"""rankscope.tracing.api on its own: configuration, trace ids, sampling, span
 shape against a real OTLP/gRPC receiver, and behaviour against dead
 collectors (closed port, black hole). No training job here: see
 test_tracing.py for the 2-rank torchrun tests."""
@@ -18,13 +18,14 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from tests.helpers.otlp_receiver import BlackHole, OtlpReceiver, closed_port_endpoint
-from rankscope.collectives import CollectiveRecord
+from rankscope.collectives.tracker import CollectiveRecord
 from rankscope.config import ConfigError
 from rankscope.identity import RankIdentity
-from rankscope.records import PhaseRecord, StepRecord
-from rankscope.tracing import (ATTR_ANOMALY, ATTR_BUCKET, ATTR_BYTES, ATTR_OP, ATTR_PHASE, ATTR_RANK,
-                              ATTR_REASON, ATTR_STEP, ROOT_SPAN, Tracing, TracingConfig, build_tracing,
-                              count_spans, step_trace_id)
+from rankscope.step.records import PhaseRecord, StepRecord
+from rankscope.tracing import build_tracing
+from rankscope.tracing.api import (ATTR_ANOMALY, ATTR_BUCKET, ATTR_BYTES, ATTR_OP, ATTR_PHASE, ATTR_RANK,
+                                   ATTR_REASON, ATTR_STEP, ROOT_SPAN, Tracing, TracingConfig, count_spans,
+                                   step_trace_id)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -294,7 +295,7 @@ def test_submit_after_shutdown_is_counted_not_queued():
 EXIT_SCRIPT = textwrap.dedent("""
     import sys, time
     from rankscope.identity import RankIdentity
-    from rankscope.records import StepRecord, PhaseRecord
+    from rankscope.step.records import StepRecord, PhaseRecord
     from rankscope.tracing import build_tracing
     ident = RankIdentity(run="exit", rank=0, local_rank=0, world_size=1, local_world_size=1, node="n")
     tracing = build_tracing(ident, lambda: None, env={"OTEL_EXPORTER_OTLP_ENDPOINT": sys.argv[1]})
@@ -353,7 +354,7 @@ def test_slow_steps_are_traced_above_a_floor(tmp_path, monkeypatch):
     assert judged == {0: "", durations.index(0.0015): "slow_step"}, (roots, sorted(preempted))
 
 
-# -- the span process (rankscope.span_process) ------------------------------------------
+# -- the span process (rankscope.tracing.span_process) ------------------------------------------
 
 def test_spans_are_built_in_a_child_process_that_carries_the_ranks_pid():
     """The rank pickles records to its span process; the spans name the rank's pid, not the child's."""

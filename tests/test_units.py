@@ -14,10 +14,10 @@ import pytest
 
 from rankscope.exporter.config import ExporterConfig
 from rankscope.exporter.ranks import RankView, derive_states
-from rankscope.collectives import CollectiveTracker
-from rankscope.device import RankDevice
+from rankscope.collectives.tracker import CollectiveTracker
+from rankscope.device.rank_device import RankDevice
 from rankscope.config import ConfigError, MonitorConfig
-from rankscope.health import GradNormTracker, LossTracker
+from rankscope.step.judging import GradNormTracker, LossTracker
 from rankscope.identity import RankIdentity
 from rankscope.contract.rundir import (Registration, db_file_pid, latest_per_rank, load_registrations,
                                    process_start_ticks, remove_previous_launch, run_slug)
@@ -81,7 +81,7 @@ def test_a_second_live_job_on_a_run_id_in_use_is_caught(tmp_path, caplog):
     launcher's live rank in the run's directory is caught at start-up. A single-process job
     takes a run id of its own; a distributed one is refused, naming the other job."""
     from rankscope.contract.rundir import Registration, process_start_ticks, run_slug
-    from rankscope.startup import claim_run
+    from rankscope.publishing.startup import claim_run
 
     other = subprocess.Popen(["sleep", "60"])
     try:
@@ -336,7 +336,7 @@ def test_host_collectives_in_flight_and_bounded_buffer():
 def test_cuda_phases_come_from_events_read_later(tmp_path, monkeypatch):
     """The CUDA path of a step, with events that complete when the test says so."""
     from rankscope import monitor as monitor_module
-    from rankscope.comm_timing import HookTiming
+    from rankscope.collectives.comm_timing import HookTiming
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
@@ -420,7 +420,7 @@ def test_reducer_timing_counts_a_long_backward_as_waiting_not_compute():
     """DDP's timers are read on 1 step in 10. A peer frozen for 30 s makes this
     rank's backward last 30 s on a step the last sample knows nothing of: that
     time is waiting (comm_wait), or the rank would look like a straggler."""
-    from rankscope.comm_timing import ReducerTiming
+    from rankscope.collectives.comm_timing import ReducerTiming
 
     class SampledTimers:
         exposed = 0.002   # the last sample: 2 ms of exposed all-reduce
@@ -437,7 +437,7 @@ def test_reducer_timing_counts_a_long_backward_as_waiting_not_compute():
 def test_the_memory_limit_is_read_from_the_process_own_cgroup(tmp_path):
     """Under Slurm or systemd (cgroup v1, no namespace) the job's limit is in its
     own cgroup's directory; the mount's root file is the unlimited root cgroup."""
-    from rankscope.memory import _cgroup_limit_files
+    from rankscope.device.memory import _cgroup_limit_files
 
     proc = tmp_path / "cgroup"
     proc.write_text("4:memory:/slurm/uid_1/job_7\n0::/user.slice\n")

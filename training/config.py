@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from rankscope import sinks
 from rankscope.contract import environment
+from rankscope.contract.catalog import MAX_PROCESS_GROUPS_DEFAULT
 from rankscope.contract.environment import DEFAULT_ADDR, DEFAULT_PORT, ConfigError
 from rankscope.contract.rundir import default_metrics_dir
 
@@ -64,6 +65,11 @@ class MonitorConfig:
     """How often rank 0's sink reads the exporters and writes one record."""
     sink_exporters: str | None = None
     """Other nodes' exporters (host:port,host:port) the sink reads besides this node's."""
+    max_process_groups: int = MAX_PROCESS_GROUPS_DEFAULT
+    """Process groups per rank whose collectives are read from torch's flight recorder; 0 turns the reading off."""
+    collective_timing: bool = False
+    """Turn on each process group's own collective timing (NCCL: device durations in the flight recorder;
+    docs/collectives.md)."""
 
     def __post_init__(self) -> None:
         if self.run is not None and not _valid_label_value(self.run):
@@ -82,6 +88,9 @@ class MonitorConfig:
             raise ConfigError(f"loss_ema_alpha: must be in (0, 1], got {self.loss_ema_alpha}")
         if self.loss_window < 2:
             raise ConfigError(f"loss_window: must be >= 2, got {self.loss_window}")
+        if self.max_process_groups < 0:
+            raise ConfigError(f"must be >= 0 (0 turns the reading off), got {self.max_process_groups}",
+                              field="max_process_groups")
         if self.spike_warmup_steps < 0:
             raise ConfigError(f"spike_warmup_steps: must be >= 0, got {self.spike_warmup_steps}")
         if self.metrics_dir.exists() and not self.metrics_dir.is_dir():

@@ -19,7 +19,7 @@ once do not share, whatever the launcher, first found of:
 5. ``default``.
 
 A second live job on one node that still lands on a run id in use is caught
-when the Monitor starts (rankscope.startup.claim_run).
+when the Monitor starts (rankscope.publishing.startup.claim_run).
 """
 
 from __future__ import annotations

@@ -15,17 +15,17 @@
             step.observe(loss=loss, lr=sched.get_last_lr())
 
 This module only wires the parts together and is the public face; each part
-does one job (docs/design.md, "The rank side"):
+does one job, in a package by role (docs/design.md, "The rank side"):
 
-    steps.StepTimer          step and phase clocks, data wait
-    accounting.StepAccounting  what a finished step adds up to; divergence judging
-    comm_timing              how DDP's all-reduces are timed (hook, reducer, off)
-    device.RankDevice        the rank's CUDA device, its streams and event pool, once known
-    device_reads.DeviceReads CUDA values and timings, read when the device is done
-    publisher.Publisher      the thread that writes the metric files
-    user_metrics.UserMetrics the user's own metrics
-    errors.TelemetryErrors   counted, logged-once errors and drops
-    startup                  run directory, registration, rank_info
+    step          StepTimer (clocks), StepHandoff (training thread -> publisher),
+                  StepAccounting (what the steps add up to), Judge, TraceFeed, goodput
+    device        RankDevice (the CUDA device, its streams and events), DeviceReads, memory
+    collectives   CollectiveTracker, comm_timing (DDP hook / reducer / off), process groups,
+                  flight recorder
+    publishing    Publisher (the thread that writes the metric files), RankMetrics,
+                  UserMetrics, startup (run claim, run directory, rank_info)
+    tracing       spans of sampled and anomalous steps, in the rank's span process
+    errors        counted, logged-once errors and drops
 
 Once the Monitor is constructed nothing raises into the loop except misuse
 that would give wrong numbers (``UsageError``: a nested step).
@@ -34,33 +34,38 @@ that would give wrong numbers (``UsageError``: a nested step).
 from __future__ import annotations
 
 import atexit
+import functools
 import sys
 import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Sequence
 
-from rankscope import comm_timing, exit_status, sinks
-from rankscope.accounting import JudgeSettings, StepAccounting
-from rankscope.collectives import CollectiveTracker, check_op, tensor_nbytes
+from rankscope import exit_status, sinks
+from rankscope.collectives import comm_timing
+from rankscope.collectives.flight_recorder import FlightRecorder, ring_size
+from rankscope.collectives.process_groups import FlightRecorderSource, ProcessGroupMetrics, ProcessGroupReader
+from rankscope.collectives.tracker import CollectiveTracker, check_op, tensor_nbytes
 from rankscope.config import MonitorConfig
 from rankscope.contract.catalog import STEP_BUCKETS
 from rankscope.contract.environment import ConfigError
 from rankscope.contract.rundir import run_slug
-from rankscope.device import RankDevice, first_cuda_device
-from rankscope.errors import TelemetryErrors
-from rankscope.errors import UsageError
-from rankscope.flight_recorder import FlightRecorder
+from rankscope.device.memory import MemorySampler
+from rankscope.device.rank_device import RankDevice, first_cuda_device
+from rankscope.errors import TelemetryErrors, UsageError
 from rankscope.flops import FlopsConfig
-from rankscope.goodput import Progress, TimeUse, process_start_perf
 from rankscope.identity import RankIdentity
-from rankscope.memory import MemorySampler
-from rankscope.metrics import RankMetrics
-from rankscope.publisher import Publisher
-from rankscope.startup import RankInfo, claim_run, prepare_run_dir
-from rankscope.steps import Step, StepTimer
+from rankscope.publishing.metrics import RankMetrics
+from rankscope.publishing.publisher import Publisher
+from rankscope.publishing.startup import RankInfo, claim_run, prepare_run_dir
+from rankscope.publishing.user_metrics import UserMetric, UserMetrics
+from rankscope.step.accounting import StepAccounting
+from rankscope.step.goodput import Progress, TimeUse, process_start_perf
+from rankscope.step.handoff import StepHandoff
+from rankscope.step.judging import Judge, JudgeSettings
+from rankscope.step.timer import Step, StepTimer
+from rankscope.step.trace_feed import TraceFeed
 from rankscope.tracing import Tracing, build_tracing
-from rankscope.user_metrics import UserMetric, UserMetrics
 
 _active_lock = threading.Lock()
 _active: "Monitor | None" = None   # one open Monitor per process: two would split one rank's counts
@@ -79,7 +84,7 @@ class Monitor:
         self.run_dir = self.config.metrics_dir / run_slug(self.identity.run)
         self.errors = TelemetryErrors()
         # Everything that can reject the configuration runs before anything is started.
-        self.tracing: Tracing = build_tracing(self.identity, lambda: self.errors.error("tracing"))
+        self.tracing: Tracing = build_tracing(self.identity, functools.partial(self.errors.error, "tracing"))
         self.sink = sinks.build(self.config, self.identity, self.errors)   # rank 0's TensorBoard / MLflow run
         _claim(self)
         try:
@@ -111,25 +116,27 @@ class Monitor:
             raise ConfigError(f"device: {device!r} cannot be used: {e}") from None
         self.tracker = CollectiveTracker(self.device)
         self.comm: comm_timing.CommTiming = comm_timing.CommTiming()
-        judge = JudgeSettings(cfg.loss_window, cfg.loss_ema_alpha, cfg.spike_zscore, cfg.spike_warmup_steps,
-                              cfg.grad_spike_factor)
-        self.accounting = StepAccounting(judge, self.tracker, self.tracing, self.device,
-                                         self.errors, flush=lambda: self.publisher.flush(),
-                                         time_use=TimeUse(process_start_perf(), self._progress.completed),
-                                         progress=self._progress,
-                                         under_way=lambda: (self.steps.busy_since(), self.steps.open_step_since()))
-        self.steps = StepTimer(self.tracker, self.comm, self.accounting.step_ended, self.errors.drop,
-                               lambda: self.errors.error("step"))
+        # The step path, in the order a step travels it (docs/design.md, "A step, end to end").
+        self.trace_feed = TraceFeed(self.tracing, self.tracker)
+        self.handoff = StepHandoff(self.device, self.errors, self.trace_feed)
+        self.steps = StepTimer(self.tracker, self.comm, self.handoff.step_ended, self.errors.drop,
+                               functools.partial(self.errors.error, "step"))
+        judge = Judge(JudgeSettings(cfg.loss_window, cfg.loss_ema_alpha, cfg.spike_zscore, cfg.spike_warmup_steps,
+                                    cfg.grad_spike_factor))
+        self.accounting = StepAccounting(judge, self.trace_feed,
+                                         TimeUse(process_start_perf(), self._progress.completed), self._progress,
+                                         self.steps, self.errors)
         self.user_metrics = UserMetrics(self.metrics, self.errors)
         memory = MemorySampler(self.device)
         rank_info = RankInfo(self.identity, self.device, backend, self.registration, self.run_dir, self.metrics,
-                             lambda: self.accounting.steps_seen)
-        self.publisher = Publisher(self.metrics, self.accounting, self.tracker, self.device, memory,
+                             self.handoff)
+        ring = ring_size()   # torch's flight-recorder ring, read once
+        self.publisher = Publisher(self.metrics, self.handoff, self.accounting, self.tracker, self.device, memory,
                                    self.tracing, self.errors,
-                                   FlightRecorder(self.run_dir, self.identity.rank, cfg.flight_recorder_after_s),
-                                   rank_info, cfg.publish_interval_s, cfg.memory_every_s, self.flops)
+                                   FlightRecorder(self.run_dir, self.identity.rank, cfg.flight_recorder_after_s, ring),
+                                   rank_info, self.flops, cfg.publish_interval_s, cfg.memory_every_s)
         self._rank_info = rank_info
-        self.process_groups = _process_group_reader(self, cfg.publish_interval_s)
+        self.process_groups = _process_group_reader(self, ring)
         self.metrics.start_ts.set(self.registration.started_at)
         self.metrics.mem_total.set(memory.total())          # 0 until a CUDA device is known (the publisher)
         self.metrics.bind_flops(self.flops.counts_flops)   # the device's peak: once it is known
@@ -152,7 +159,7 @@ class Monitor:
         Any other model (FSDP2 ``fully_shard``, FSDP1, tensor parallel, a pipeline stage,
         a plain module) is returned as it is: every collective of every process
         group is already seen through torch's flight recorder
-        (``rankscope.process_groups``), with no wrapping.
+        (``rankscope.collectives.process_groups``), with no wrapping.
 
         A model on a CUDA device tells a ``Monitor()`` made without one which device
         to time on."""
@@ -162,14 +169,14 @@ class Monitor:
         if not comm_timing.is_ddp(model):
             return model
         self.comm = comm_timing.choose(self.config.comm_timing, model, self.tracker,
-                                       lambda: self.errors.error("collectives"))
+                                       functools.partial(self.errors.error, "collectives"))
         self.steps.comm = self.comm
         return model
 
     # -- the hot path ---------------------------------------------------------
     def data(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Wrap the training data loader: the wait for each batch becomes the
-        ``data`` phase of the step it belongs to (see rankscope.steps)."""
+        ``data`` phase of the step it belongs to (see rankscope.step.timer)."""
         it = iter(iterable)
         timer = self.steps
         fetched = timer.data_fetched
@@ -188,6 +195,12 @@ class Monitor:
         records, for code that cannot wrap the loader (framework callbacks). Before a step,
         that step then starts at ``t0``; inside one, it adds to its ``data`` phase."""
         self.steps.data_fetched(t0, t1)
+
+    def awaiting_next_event(self, since: float) -> None:
+        """For code that only sees events (framework callbacks): the time since ``since``
+        (``time.perf_counter()``) is told apart by the next event (a data wait, a checkpoint save,
+        the framework's own work), so it is not counted as idle meanwhile; 0: nothing is waiting."""
+        self.steps.settling_since = since
 
     def step(self, samples: int = 0, tokens: int = 0, step: int | None = None) -> Step:
         """Context manager for one training step (an optimizer step, with all its
@@ -215,7 +228,7 @@ class Monitor:
         (framework callbacks)."""
         if kind not in ("save", "restore"):
             raise ValueError(f"monitor.checkpoint_took(kind={kind!r}): kind is 'save' or 'restore'")
-        self.accounting.interval_ended("checkpoint_" + kind, t0, t1)
+        self.handoff.interval_ended("checkpoint_" + kind, t0, t1)
 
     @contextmanager
     def _block(self, category: str) -> Iterator[None]:
@@ -228,7 +241,7 @@ class Monitor:
             yield
         finally:
             timer.block_started = 0.0
-            self.accounting.interval_ended(category, t0, time.perf_counter())
+            self.handoff.interval_ended(category, t0, time.perf_counter())
 
     @contextmanager
     def collective(self, op: str, *tensors: Any, nbytes: int | None = None) -> Iterator[None]:
@@ -270,6 +283,10 @@ class Monitor:
         return self.user_metrics.declare(name, "histogram", documentation, labels, buckets)
 
     # -- shutdown -------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Publish what is left and stop. The rank is ``finished`` only if no
         exception is on its way (see rankscope.exit_status); else ``failed``."""
@@ -330,19 +347,11 @@ def _release(monitor: Monitor) -> None:
             _active = None
 
 
-def _process_group_reader(monitor: Monitor, interval_s: float):
-    """Every collective of every process group (rankscope.process_groups); None when
-    RANKSCOPE_MAX_PROCESS_GROUPS=0 turns it off."""
-    import os
-
-    from rankscope.contract.catalog import MAX_PROCESS_GROUPS_DEFAULT
-    from rankscope.contract.environment import env_value
-    from rankscope.process_groups import FlightRecorderSource, ProcessGroupMetrics, ProcessGroupReader
-
-    max_groups = env_value(os.environ, "RANKSCOPE_MAX_PROCESS_GROUPS", int, MAX_PROCESS_GROUPS_DEFAULT)
-    if max_groups < 0:
-        raise ConfigError(f"RANKSCOPE_MAX_PROCESS_GROUPS={max_groups}: must be >= 0 (0 turns the reading off)")
-    if max_groups == 0:
+def _process_group_reader(monitor: Monitor, ring: int) -> ProcessGroupReader | None:
+    """Every collective of every process group (rankscope.collectives.process_groups); None when
+    max_process_groups=0 turns it off, or torch has no flight recorder."""
+    cfg = monitor.config
+    if cfg.max_process_groups == 0:
         return None
     import torch
 
@@ -359,7 +368,6 @@ def _process_group_reader(monitor: Monitor, interval_s: float):
     # after concurrent collectives, so a hung culprit's own last collective can look stuck,
     # and the culprit must leave no dump (docs/collectives.md).
     return ProcessGroupReader(ProcessGroupMetrics(monitor.metrics), errors.drop,
-                              lambda: errors.error("collectives"),
-                              FlightRecorderSource(monitor.run_dir, monitor.identity.rank), max_groups, interval_s,
-                              timing=env_value(os.environ, "RANKSCOPE_COLLECTIVE_TIMING", bool, False))
-
+                              functools.partial(errors.error, "collectives"),
+                              FlightRecorderSource(monitor.run_dir, monitor.identity.rank), cfg.max_process_groups,
+                              cfg.publish_interval_s, ring=ring, timing=cfg.collective_timing)

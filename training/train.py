@@ -152,7 +152,7 @@ def parallelize(args: argparse.Namespace, monitor: Monitor, device: torch.device
     """The model as ``--parallelism`` shards it, with this rank's data-parallel rank and size.
 
     fsdp2 and 2d need nothing from rankscope beyond the Monitor: torch's flight
-    recorder shows it their collectives (rankscope.process_groups)."""
+    recorder shows it their collectives (rankscope.collectives.process_groups)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(args.hidden).to(device)
     if args.parallelism == "ddp":

@@ -172,7 +172,7 @@ def gil_holds(monitor) -> dict[str, dict[str, float]]:
     if monitor.tracing.enabled:
         holds["span sender (pickles a record)"] = monitor.tracing.hold
     result = {name: hold.as_dict() for name, hold in holds.items()}
-    if monitor.tracing.enabled:   # spans are built and exported in the rank's span process (rankscope.span_process)
+    if monitor.tracing.enabled:   # spans are built and exported in the rank's span process (rankscope.tracing.span_process)
         result.update({f"span process: {name} (its own GIL)": hold
                        for name, hold in monitor.tracing.child_holds().items()})
     return result

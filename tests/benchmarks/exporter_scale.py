@@ -5,7 +5,7 @@
     .venv/bin/python tests/benchmarks/exporter_scale.py --ops all  # ranks that use every collective op
 
 The per-rank files are real: a "rank farm" process forks one live process per
-rank; each builds ``rankscope.metrics.RankMetrics`` with its identity (every
+rank; each builds ``rankscope.publishing.metrics.RankMetrics`` with its identity (every
 catalog series, bound as the Monitor binds them, plus two user gauges as the
 reference trainer declares), uses the collective ops given by ``--ops``
 (all_reduce, as a DDP job, by default), writes values into every family, registers with
@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # -- the rank farm ----------------------------------------------------------------------------
 def farm(n: int, run_dir: Path, ops: list[str]) -> int:
     """Fork ``n`` rank processes, print READY when all have written, exit (killing them) on stdin EOF."""
-    from rankscope.metrics import RankMetrics  # noqa: F401  (imported once, shared by the forks)
+    from rankscope.publishing.metrics import RankMetrics  # noqa: F401  (imported once, shared by the forks)
     from rankscope.contract.rundir import Registration, process_start_ticks  # noqa: F401
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -98,7 +98,7 @@ def farm(n: int, run_dir: Path, ops: list[str]) -> int:
 def _rank_process(rank: int, world: int, run_dir: Path, ready_w: int, ops: list[str]) -> None:
     from rankscope.contract import catalog
     from rankscope.contract.catalog import MetricSpec
-    from rankscope.metrics import RankMetrics
+    from rankscope.publishing.metrics import RankMetrics
     from rankscope.contract.rundir import Registration, process_start_ticks
 
     parent = os.getppid()

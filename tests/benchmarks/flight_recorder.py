@@ -12,7 +12,7 @@ One process, a 1-rank gloo group on 127.0.0.1 (the flight recorder records a
 * reading the recorder: the status only (``_dump_fr_trace_json(False, False)``),
   the whole ring as JSON and as a pickle through the Python binding, and the
   whole ring through torch's C++ worker server (what rankscope does);
-* rankscope's reader (rankscope.process_groups) on a full ring of new
+* rankscope's reader (rankscope.collectives.process_groups) on a full ring of new
   entries;
 * for each read, the longest the GIL was unavailable to another Python thread:
   a thread that sleeps 0.1 ms in a loop records its longest gap (its baseline,
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
 
     sys.path.insert(0, str(REPO))
-    from rankscope.process_groups import FlightRecorderSource, ProcessGroupReader
+    from rankscope.collectives.process_groups import FlightRecorderSource, ProcessGroupReader
     from tests.helpers.jobs import free_port
 
     recording = record_cost(args.blocks, 2000 if not args.quick else 300)

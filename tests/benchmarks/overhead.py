@@ -86,7 +86,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from rankscope.comm_timing import HookTiming
+    from rankscope.collectives.comm_timing import HookTiming
     from rankscope.monitor import Monitor
 
     note_rank_pid(args.out)

@@ -375,8 +375,8 @@ def test_fsdp2_and_explicit_collectives_are_counted_from_the_nccl_recorder(nccl_
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from rankscope.flight_recorder import dump_flight_recorder
-    from rankscope.process_groups import op_of
+    from rankscope.collectives.flight_recorder import dump_flight_recorder
+    from rankscope.collectives.process_groups import op_of
 
     dist = nccl_group
     with open_monitor(device=DEVICE, backend="nccl") as monitor:

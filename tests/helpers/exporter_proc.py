@@ -5,7 +5,7 @@
     with SyntheticRanks(metrics_dir, n=8) as ranks:   # 8 processes writing real rank files
         ...
 
-Synthetic ranks are real processes that create ``rankscope.metrics.RankMetrics``
+Synthetic ranks are real processes that create ``rankscope.publishing.metrics.RankMetrics``
 and a ``rankscope.contract.rundir.Registration`` exactly as a Monitor does, and
 then step: no torch, so eight of them start in a second on two cores.
 Everything started here is killed by pid on exit.
@@ -27,7 +27,7 @@ SYNTHETIC_RANK = r"""
 import os, sys, time
 from pathlib import Path
 from rankscope.contract.catalog import RANK_INFO_LABELS
-from rankscope.metrics import RankMetrics
+from rankscope.publishing.metrics import RankMetrics
 from rankscope.contract.rundir import Registration, process_start_ticks, run_slug
 
 metrics_dir, run, rank, world = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

@@ -32,7 +32,7 @@ COLLECTIVE_OPS: tuple[str, ...] = (
     "recv",
 )
 # Every collective of every process group, as torch's flight recorder names it
-# (rankscope.process_groups): the ops above plus those without an explicit API
+# (rankscope.collectives.process_groups): the ops above plus those without an explicit API
 # here; anything else is "other".
 PROCESS_GROUP_OPS: tuple[str, ...] = COLLECTIVE_OPS + ("reduce", "gather", "scatter", "other")
 # Labels of the per-process-group series: ``group`` is the group's role

@@ -41,8 +41,8 @@ class EventSteps:
 
     def __init__(self, monitor: Any):
         self.monitor = monitor
-        self.step: Any = None          # rankscope.steps.Step while a step is open
-        self.phase: Any = None         # the running rankscope.steps.Phase, or None
+        self.step: Any = None          # rankscope.step.timer.Step while a step is open
+        self.phase: Any = None         # the running rankscope.step.timer.Phase, or None
         self.idle_since = time.perf_counter()
         self.loss: Any = None
         self.grad_norm: Any = None
@@ -62,7 +62,7 @@ class EventSteps:
                 self.saves.observe(self.idle_since - self.saving_since)
                 self.monitor.checkpoint_took(self.saving_since, self.idle_since)
                 self.saving_since = 0.0
-            self.monitor.steps.settling_since = self.idle_since   # until the next event says what follows
+            self.monitor.awaiting_next_event(self.idle_since)
 
     def begin(self, number: int | None = None) -> None:
         """Start a step; the time since the framework's last own work is its data wait."""
@@ -76,7 +76,7 @@ class EventSteps:
             self.between_steps()
         now = time.perf_counter()
         self.monitor.waited_for_data(self.idle_since, now)
-        self.monitor.steps.settling_since = 0.0
+        self.monitor.awaiting_next_event(0.0)
         self.loss = self.grad_norm = self.lr = None
         self.step = self.monitor.step(step=number).begin()
 
@@ -116,7 +116,7 @@ class EventSteps:
             self.loss = self.grad_norm = self.lr = None
             step.end(exc)
             self.idle_since = time.perf_counter()
-            self.monitor.steps.settling_since = self.idle_since   # until the next event says what follows
+            self.monitor.awaiting_next_event(self.idle_since)
 
     def checkpoint_saved(self, started: float) -> None:
         """The framework has just finished a checkpoint save that began at ``started`` (perf_counter)."""

@@ -29,7 +29,6 @@ trainers included) keeps its own ``training_step``: the wrapper calls it.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 try:
@@ -38,7 +37,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("rankscope.integrations.hf needs transformers: pip install 'rankscope[hf]'") from e
 
 from rankscope.contract.environment import ConfigError
-from rankscope.integrations.events import EventSteps, batch_size, first_lr, guarded
+from rankscope.integrations.events import EventSteps, first_lr, guarded
 
 __all__ = ["RankscopeCallback", "instrument"]
 
@@ -66,7 +65,7 @@ class RankscopeCallback(TrainerCallback):
 
     # -- the monitor's lifetime ---------------------------------------------------
     def _ensure_monitor(self, args: Any) -> None:
-        if self.monitor is not None and not self.monitor._closed:
+        if self.monitor is not None and not self.monitor.closed:
             return
         if not self._own_monitor:
             raise ConfigError("RankscopeCallback: the monitor it was given is closed")

@@ -72,7 +72,7 @@ class RankscopeCallback(Callback):
     def setup(self, trainer, pl_module, stage):
         if stage != "fit":
             return
-        if self.monitor is None or (self._own_monitor and self.monitor._closed):
+        if self.monitor is None or (self._own_monitor and self.monitor.closed):
             # Lightning's own launcher sets LOCAL_RANK and WORLD_SIZE but not RANK: say who
             # this rank is as torchrun would have (variables a launcher set are kept).
             os.environ.setdefault("RANK", str(trainer.global_rank))

@@ -24,7 +24,7 @@ is under way (that time is attributed when it ends), except a hung step,
 whose time is idle as it passes.
 
 Everything here runs on the publisher thread, from what the training thread
-handed over (rankscope.accounting).
+handed over (rankscope.step.handoff, worked out by rankscope.step.accounting).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from pathlib import Path
 from rankscope.contract.catalog import GOODPUT_CATEGORIES
 
 PROGRESS_SUBDIR = "progress"   # <run>/progress/rank-<N>.json: the highest step the run's launches completed
+HUNG_AFTER_S = 30.0          # a step open this long, and HUNG_FACTOR times the running median step,
+HUNG_FACTOR = 10.0           # counts as idle (hung) from its start on
 
 
 class TimeUse:
@@ -87,6 +89,15 @@ class TimeUse:
     def until(self, horizon: float) -> None:
         """Attribute the time up to ``horizon`` (nothing under way before it)."""
         self._gap_until(horizon)
+
+    def settle(self, now: float, busy_since: float, open_step_since: float, median_step: float) -> None:
+        """At a publish, once the steps that ended are placed: the time up to ``now`` is
+        attributed, except what is under way since ``busy_since`` (a step, a batch fetch, a
+        block: attributed when it ends), unless the open step is hung (0: nothing under way)."""
+        if open_step_since and now - open_step_since > max(HUNG_AFTER_S, HUNG_FACTOR * median_step):
+            self.hung(open_step_since, now)   # a hang, or waiting on a hung peer: idle, not productive
+        else:
+            self.until(min(busy_since, now) if busy_since else now)
 
     def take(self) -> dict[str, float]:
         """The seconds attributed since the last call, per category."""

@@ -6,8 +6,8 @@ thread. A background thread that runs Python holds the GIL that the training
 thread wants back after every CUDA launch and every collective, and the SDK's
 queued spans lengthen the process's own full garbage collections
 (docs/performance.md, "GIL holds"). So each rank starts one child process
-(``python -m rankscope.span_process``) that runs the whole SDK pipeline of
-``rankscope.tracing.OtlpTracing``; the rank only pickles each traced step's
+(``python -m rankscope.tracing.span_process``) that runs the whole SDK pipeline of
+``rankscope.tracing.otlp.OtlpTracing``; the rank only pickles each traced step's
 small ``StepRecord`` onto a pipe::
 
     rank process                                      span process (one per rank)
@@ -39,8 +39,9 @@ from typing import IO, Callable, Mapping
 
 from rankscope.holds import LongestHold
 from rankscope.identity import RankIdentity
-from rankscope.records import StepRecord
-from rankscope.tracing import OtlpTracing, QueuedTracing, TracingConfig, count_spans, resource_attributes
+from rankscope.step.records import StepRecord
+from rankscope.tracing.api import QueuedTracing, TracingConfig, count_spans, resource_attributes
+from rankscope.tracing.otlp import OtlpTracing
 
 log = logging.getLogger("rankscope")
 
@@ -67,7 +68,7 @@ class SpanProcessTracing(QueuedTracing):
         # The child imports rankscope as this process does (an editable install, a
         # PYTHONPATH, or a path the launcher added).
         child_env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "rankscope.span_process"], env=child_env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "rankscope.tracing.span_process"], env=child_env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         start = ("start", identity, config, dict(env), resource_attributes(identity, env))
         self._write(pickle.dumps(start, protocol=pickle.HIGHEST_PROTOCOL))

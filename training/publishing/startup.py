@@ -21,12 +21,14 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping, Protocol
 
 from rankscope.contract.environment import ConfigError
 from rankscope.contract.rundir import (Registration, load_registrations, process_start_ticks, remove_previous_launch,
                                        run_slug)
+from rankscope.device.rank_device import RankDevice
 from rankscope.identity import RankIdentity
+from rankscope.publishing.metrics import RankMetrics
 
 log = logging.getLogger("rankscope")
 
@@ -95,20 +97,26 @@ def prepare_run_dir(run_dir: Path, identity: RankIdentity) -> Registration:
     return registration
 
 
+class StepsSeen(Protocol):
+    """The completed steps handed over so far (``rankscope.step.handoff.StepHandoff``)."""
+
+    steps_seen: int
+
+
 class RankInfo:
     """Writes rank_info once the backend and device are known: the backend given, or the process
     group's, or none at all; the CUDA device given, or else the one the first step ran on
-    (rankscope.device: a ``Monitor()`` without a device learns it from its model or values)."""
+    (rankscope.device.rank_device: a ``Monitor()`` without a device learns it from its model or values)."""
 
-    def __init__(self, identity: RankIdentity, device: Any, backend: str | None, registration: Registration,
-                 run_dir: Path, metrics: Any, steps_seen: Callable[[], int]):
+    def __init__(self, identity: RankIdentity, device: RankDevice, backend: str | None, registration: Registration,
+                 run_dir: Path, metrics: RankMetrics, steps: StepsSeen):
         self._identity = identity
         self._device = device
         self._backend = backend
         self._registration = registration
         self._run_dir = run_dir
         self._metrics = metrics
-        self._steps_seen = steps_seen
+        self._steps = steps
         # On a GPU machine a Monitor() without a device may learn it at the first step: wait for it.
         self._device_may_come = not device.cuda and _cuda_available()
         self._info: dict[str, str] | None = None   # described and saved, once the backend is known
@@ -126,7 +134,7 @@ class RankInfo:
         """Describes the rank and saves it with its registration, once the backend is known."""
         if self._info is not None:
             return
-        first_step_done = self._steps_seen() > 0
+        first_step_done = self._steps.steps_seen > 0
         backend = self._backend if self._backend is not None else _process_group_backend()
         if not final and not first_step_done and (backend is None or self._device_may_come and not self._device.cuda):
             return

@@ -1,15 +1,21 @@
 """The publisher thread: beats the heartbeat and writes what the rank collected to its metric files.
 
-Every ``interval_s`` it swaps the step accumulator for an empty one, reads
-what the device has finished, and writes counters, histograms and gauges to
-the mmap files the node exporter reads. It also samples memory, publishes
-collective timings and in-flight state, and counts drops.
+Every ``interval_s`` (or at once when the training thread asks: an
+out-of-memory error), one publish runs one visible sequence:
 
-One publish at a time: ``publish`` holds a lock, so the training thread's
-calls (``flush`` on the OOM path, the last publish in ``stop``) never run
-inside the thread's own publish; they wait for it only a bounded time.
-Each part is isolated: a failure is counted under its component and the
-others still publish.
+1. **take** the steps that ended (``StepHandoff.entries``) and have them worked
+   out: counted, their values read and judged, traced where sampled or
+   anomalous, their time placed for goodput (``StepAccounting.absorb``, in
+   GIL-releasing slices);
+2. **resolve** what the CUDA device has finished: collective timings, values
+   (judged as they arrive) and phase events (``rankscope.device.reads``);
+3. **write** the accumulator, goodput, health, collectives, memory, drops and
+   ``rank_info`` to the mmap files the node exporter reads.
+
+One publish at a time: ``publish`` holds a lock, so a publish from another
+thread (the last one in ``stop``) never runs inside the thread's own publish;
+it waits for it only a bounded time. Each part is isolated: a failure is
+counted under its component and the others still publish.
 """
 
 from __future__ import annotations
@@ -18,26 +24,43 @@ import bisect
 import math
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
-from rankscope.accounting import GIL_YIELD_S, Accumulator
+from rankscope.collectives.flight_recorder import FlightRecorder
+from rankscope.collectives.tracker import CollectiveTracker
+from rankscope.device.memory import MemorySampler
+from rankscope.device.rank_device import RankDevice
+from rankscope.errors import TelemetryErrors
+from rankscope.flops import FlopsConfig
 from rankscope.holds import LongestHold
+from rankscope.publishing.metrics import RankMetrics
+from rankscope.publishing.startup import RankInfo
+from rankscope.step.accounting import GIL_YIELD_S, Accumulator, StepAccounting
+from rankscope.step.handoff import StepHandoff
+
+
+class SpanCounts(Protocol):
+    """What the publisher reads of the tracer (``rankscope.tracing.api.Tracing``)."""
+
+    def dropped(self) -> int: ...
 
 
 class Publisher:
-    def __init__(self, metrics: Any, accounting: Any, tracker: Any, device: Any, memory: Any, tracing: Any,
-                 errors: Any, flight_recorder: Any, rank_info: Any, interval_s: float, memory_every_s: float,
-                 flops: Any):
+    def __init__(self, metrics: RankMetrics, handoff: StepHandoff, accounting: StepAccounting,
+                 tracker: CollectiveTracker, device: RankDevice, memory: MemorySampler, tracing: SpanCounts,
+                 errors: TelemetryErrors, flight_recorder: FlightRecorder, rank_info: RankInfo, flops: FlopsConfig,
+                 interval_s: float, memory_every_s: float):
         self._m = metrics
-        self._flops = flops                # flops.FlopsConfig: model FLOPs of the steps
+        self._handoff = handoff
         self._accounting = accounting
         self._tracker = tracker
-        self._device = device              # device.RankDevice: its reads once the rank's CUDA device is known
+        self._device = device              # its reads, once the rank's CUDA device is known
         self._memory = memory
         self._tracing = tracing
         self._errors = errors
         self._flight_recorder = flight_recorder
         self._rank_info = rank_info
+        self._flops = flops                # model FLOPs of the steps
         self._interval_s = interval_s
         self._memory_every_s = memory_every_s
         self._lock = threading.Lock()
@@ -46,18 +69,24 @@ class Publisher:
         self._last_memory = 0.0
         self._device_described = False    # the CUDA device's memory and peak FLOP/s are written
         self._alloc_retries = 0.0
+        self._ooms_published = 0
         self._in_flight_published: dict[str, float] = {}
         self._published = {"spans": 0, "collective": 0}
         self._acc = Accumulator()          # what the steps since the last publish added up to
-        self.hold = LongestHold()          # the longest publish, after the accounting's sliced absorb
+        self.hold = LongestHold()          # the longest publish part, after the accounting's sliced absorb
 
     def start(self) -> None:
         self.publish()   # heartbeat and zeros visible before the first step
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        requests = self._handoff.publish_now
+        while not self._stop.is_set():
+            asked = requests.wait(self._interval_s)
+            if self._stop.is_set():
+                return
             self.publish()
+            requests.served(asked)
 
     def flush(self, timeout_s: float = 1.0) -> None:
         """Publish now, from any thread; gives up after ``timeout_s`` if a publish is stuck."""
@@ -66,6 +95,7 @@ class Publisher:
     def stop(self, timeout_s: float = 2.0) -> None:
         """Stop the thread and publish what is left (bounded)."""
         self._stop.set()
+        self._handoff.publish_now.wake()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout_s)
         self.publish(timeout_s)
@@ -74,15 +104,11 @@ class Publisher:
         if not self._lock.acquire(timeout=timeout_s):
             return
         try:
-            try:
-                self._accounting.absorb()   # the steps that ended since the last publish (in GIL-releasing slices)
-            except Exception:
-                self._errors.error("publisher")
             self._acc = Accumulator()   # if taking the steps fails, the parts publish nothing twice
-            for component, part in (("publisher", self._take_steps), ("publisher", self._publish_steps),
-                                    ("publisher", self._publish_time_use), ("collectives", self._publish_collectives),
-                                    ("memory", self._publish_memory), ("tracing", self._publish_drops),
-                                    ("publisher", self._rank_info.save_when_known),
+            for component, part in (("publisher", self._take_steps), ("publisher", self._resolve_device),
+                                    ("publisher", self._write_steps), ("publisher", self._write_time_use),
+                                    ("collectives", self._write_collectives), ("memory", self._write_memory),
+                                    ("tracing", self._write_drops), ("publisher", self._rank_info.save_when_known),
                                     ("publisher", self._rank_info.publish_saved)):
                 self.hold.start()
                 try:
@@ -94,19 +120,41 @@ class Publisher:
         finally:
             self._lock.release()
 
-    # -- parts (each writes a few dozen values at most: well under a millisecond) ----
+    # -- 1. take, 2. resolve ------------------------------------------------------------
     def _take_steps(self) -> None:
-        """The CUDA values and phases the device has finished, then what the steps added up to."""
-        reads = self._device.reads
-        if reads is not None:
-            self._tracker.poll_device()   # first: device steps need their buckets' durations
-            for what, number, step in reads.ready_values():
-                self._accounting.device_value_ready(what, number, step)
-            for phases in reads.ready_steps():
-                self._accounting.device_phases_ready(phases)
-        self._acc = self._accounting.swap()
+        """The steps that ended since the last publish, worked out (in GIL-releasing slices)."""
+        self.hold.stop()   # the absorb measures its own slices (StepAccounting.hold)
+        try:
+            self._accounting.absorb(self._handoff.entries)
+        finally:
+            self.hold.start()
 
-    def _publish_steps(self) -> None:
+    def _resolve_device(self) -> None:
+        """What the CUDA device has finished: collective timings first (device steps need their
+        buckets' durations), then values (judged as they arrive) and phases. Then the
+        accumulator is taken, with the steps counted without details and the OOMs."""
+        reads = self._device.reads
+        accounting = self._accounting
+        if reads is not None:
+            self._tracker.poll_device()
+            for what, number, step in reads.ready_values():
+                accounting.device_value_ready(what, number, step)
+            for phases in reads.ready_steps():
+                accounting.device_phases_ready(phases)
+        acc = self._acc = accounting.swap()
+        overflow = self._handoff.take_overflow()
+        if overflow.steps:
+            acc.steps += overflow.steps
+            acc.samples += overflow.samples
+            acc.tokens += overflow.tokens
+            if overflow.last_end >= acc.last_end:
+                acc.last_step, acc.last_duration, acc.last_end = \
+                    overflow.last_step, overflow.last_duration, overflow.last_end
+        ooms = self._handoff.ooms
+        acc.ooms, self._ooms_published = ooms - self._ooms_published, ooms
+
+    # -- 3. write (each part writes a few dozen values at most: well under a millisecond) ----
+    def _write_steps(self) -> None:
         m, acc = self._m, self._acc
         m.heartbeat.set(time.time())
         if acc.steps:
@@ -123,7 +171,7 @@ class Publisher:
                 m.model_flops.inc(self._flops.step_flops(acc.samples, acc.tokens) or 0.0)
         observe_all(m.data_wait, acc.data_waits)
 
-    def _publish_time_use(self) -> None:
+    def _write_time_use(self) -> None:
         m, acc = self._m, self._acc
         for k, v in acc.wall.items():
             if v > 0:
@@ -133,9 +181,9 @@ class Publisher:
                 m.phase[k].inc(v)
         if acc.ooms:
             m.ooms.inc(acc.ooms)
-        self._publish_health(acc)
+        self._write_health(acc)
 
-    def _publish_health(self, acc: Accumulator) -> None:
+    def _write_health(self, acc: Accumulator) -> None:
         m = self._m
         for n, child in ((acc.nonfinite_loss, m.nonfinite["loss"]), (acc.nonfinite_grad, m.nonfinite["grad"]),
                          (acc.loss_spikes, m.loss_spikes), (acc.grad_spikes, m.grad_spikes)):
@@ -151,7 +199,7 @@ class Publisher:
         if not math.isnan(acc.lr):
             m.lr.set(acc.lr)
 
-    def _publish_collectives(self) -> None:
+    def _write_collectives(self) -> None:
         m, tracker = self._m, self._tracker
         last: dict[str, float] = {}
         nbytes: dict[str, int] = {}
@@ -177,7 +225,7 @@ class Publisher:
                 else:
                     self._in_flight_published.pop(op, None)
 
-    def _publish_memory(self) -> None:
+    def _write_memory(self) -> None:
         if time.monotonic() - self._last_memory < self._memory_every_s:
             return
         self._last_memory = time.monotonic()
@@ -185,7 +233,7 @@ class Publisher:
         r = self._memory.read()
         m.rss.set(r.rss)
         if self._memory.cuda:
-            if not self._device_described:   # the device may become known after start-up (rankscope.device)
+            if not self._device_described:   # the device may become known after start-up (rankscope.device.rank_device)
                 self._device_described = True
                 m.mem_total.set(self._memory.total())
                 m.bind_peak_flops(self._flops.peak(self._device.name, "cuda", self._device.sm_count))
@@ -196,7 +244,7 @@ class Publisher:
                 m.alloc_retries.inc(r.retries - self._alloc_retries)
             self._alloc_retries = r.retries
 
-    def _publish_drops(self) -> None:
+    def _write_drops(self) -> None:
         """Counters kept by other parts as plain ints (cheap on their hot paths), published as deltas."""
         spans = self._tracing.dropped()
         if spans > self._published["spans"]:

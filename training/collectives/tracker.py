@@ -8,7 +8,7 @@ Two clocks, chosen per tensor:
   so wall clock measures nothing. A start event is recorded on the rank
   device's current stream before launch and an end event inside the completion
   callback, whose current stream (of that device) torch synchronises with the
-  collective's kernels (rankscope.device: never another device's stream). The pair
+  collective's kernels (rankscope.device.rank_device: never another device's stream). The pair
   is read later with ``event.query()`` (by the background publisher), never
   with ``synchronize()``; until then the collective counts as in flight.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from rankscope.contract.catalog import COLLECTIVE_OPS
-from rankscope.device import RankDevice
+from rankscope.device.rank_device import RankDevice
 
 MAX_PENDING = 4096  # completed-but-unpublished records kept before dropping
 

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, valu
 from rankscope.contract import catalog
 from rankscope.contract.catalog import MetricSpec
 from rankscope.contract.environment import ConfigError
-from rankscope.mmapfile import ReservedMmapedDict
+from rankscope.publishing.mmapfile import ReservedMmapedDict
 
 _value_classes: dict[Path, type] = {}
 _lock = threading.RLock()  # re-entrant: children may be created while creating others
@@ -186,7 +186,7 @@ class RankMetrics:
             self._metrics["rankscope_rank_info"].labels(**self.identity, **info).set(1)
 
     def declare(self, spec: MetricSpec, extra_labels: tuple[str, ...]):
-        """A user metric with the rank's identity labels (see rankscope.user_metrics)."""
+        """A user metric with the rank's identity labels (see rankscope.publishing.user_metrics)."""
         with mmap_values(self.directory):
             return build_metric(spec, self.registry, extra_labels)
 

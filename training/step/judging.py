@@ -1,8 +1,10 @@
-"""Divergence detection inside the rank: exact, every step, pure Python.
+"""Judging each step inside the rank: exact, every step, pure Python (publisher thread).
 
 Prometheus sees one loss value per scrape; a NaN or a one-step spike between
-two scrapes would be lost. So every loss the rank reports goes through this
-tracker, and what it finds is counted.
+two scrapes would be lost. So every loss and gradient norm the rank reports
+goes through these trackers, in order, exactly once, and what they find is
+counted. A step far slower than the running median is an anomaly too (it is
+traced).
 """
 
 from __future__ import annotations
@@ -10,6 +12,18 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+
+SLOW_STEP_FACTOR = 3.0       # a step this many times the running median is traced as an anomaly
+SLOW_STEP_FLOOR_S = 0.001    # ...if it took at least this long: µs-scale steps jitter by more than 3x
+
+
+@dataclass(frozen=True)
+class JudgeSettings:
+    loss_window: int
+    loss_ema_alpha: float
+    spike_zscore: float
+    spike_warmup_steps: int
+    grad_spike_factor: float
 
 
 @dataclass
@@ -87,3 +101,44 @@ class GradNormTracker:
         if not explosion:  # an explosion must not drag the average up with it
             self.avg = norm if math.isnan(self.avg) else self.avg + self.alpha * (norm - self.avg)
         return False, explosion
+
+
+class Judge:
+    """The verdict on each value and step, as an anomaly name ("" for none), with the counts
+    written into the publish's accumulator (``rankscope.step.accounting.Accumulator``)."""
+
+    def __init__(self, settings: JudgeSettings):
+        self._loss = LossTracker(settings.loss_window, settings.loss_ema_alpha, settings.spike_zscore,
+                                 settings.spike_warmup_steps)
+        self._grad = GradNormTracker(settings.grad_spike_factor)
+        self.median_step = 0.0   # a running median-like estimate of the step's duration (seconds)
+
+    def loss(self, loss: float, acc) -> str:
+        verdict = self._loss.observe(loss)
+        acc.losses.append(loss)
+        if verdict.nonfinite:
+            acc.nonfinite_loss += 1
+            return "nonfinite_loss"
+        acc.loss_ema, acc.loss_z = verdict.ema, verdict.zscore
+        if verdict.spike:
+            acc.loss_spikes += 1
+            return "loss_spike"
+        return ""
+
+    def grad_norm(self, norm: float, acc) -> str:
+        nonfinite, explosion = self._grad.observe(norm)
+        acc.grad_norms.append(norm)
+        if nonfinite:
+            acc.nonfinite_grad += 1
+            return "nonfinite_grad"
+        if explosion:
+            acc.grad_spikes += 1
+            return "grad_spike"
+        return ""
+
+    def slow_step(self, number: int, duration: float) -> bool:
+        """Whether the step took far longer than usual; the running estimate learns it either way."""
+        median = self.median_step
+        self.median_step = duration if not median else median + 0.05 * (duration - median)
+        return bool(median) and number > 10 and duration > SLOW_STEP_FACTOR * median \
+            and duration >= SLOW_STEP_FLOOR_S

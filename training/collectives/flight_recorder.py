@@ -18,12 +18,15 @@ from typing import Mapping
 
 log = logging.getLogger("rankscope")
 
+RING_DEFAULT = 2000   # entries torch keeps when neither variable is set (torch >= 2.11)
+
 
 class FlightRecorder:
-    def __init__(self, run_dir: Path, rank: int, after_s: float):
+    def __init__(self, run_dir: Path, rank: int, after_s: float, ring: int = RING_DEFAULT):
         self._directory = run_dir / "flight-recorder"
         self._rank = rank
         self._after_s = after_s
+        self._ring = ring
         self._dumped_for = 0.0   # start of the collective last dumped for
 
     def check(self, oldest_start: float) -> None:
@@ -31,13 +34,10 @@ class FlightRecorder:
         if time.time() - oldest_start < self._after_s or self._dumped_for == oldest_start:
             return
         self._dumped_for = oldest_start
-        paths = dump_flight_recorder(self._directory, self._rank)
+        paths = dump_flight_recorder(self._directory, self._rank, self._ring)
         if paths:
             log.warning("rankscope: collective in flight for over %.0f s; flight recorder dumped to %s",
                         self._after_s, ", ".join(map(str, paths)))
-
-
-RING_DEFAULT = 2000   # entries torch keeps when neither variable is set (torch >= 2.11)
 
 
 def ring_size(env: Mapping[str, str] | None = None) -> int:
@@ -48,14 +48,14 @@ def ring_size(env: Mapping[str, str] | None = None) -> int:
     return int(raw) if raw.strip().isdigit() else RING_DEFAULT
 
 
-# Per recorder (rankscope.process_groups.RECORDERS): its status call, its pickle dump, and
+# Per recorder (rankscope.collectives.process_groups.RECORDERS): its status call, its pickle dump, and
 # the file a hang writes it to. torchfrtrace reads nccl_trace_rank_<N>; the CPU recorder
 # (gloo) takes that name when it is the only one with collectives.
 _DUMPS = (("nccl", "_dump_nccl_trace_json", "_dump_nccl_trace", "nccl_trace_rank_"),
           ("cpu", "_dump_fr_trace_json", "_dump_fr_trace", "nccl_trace_rank_"))
 
 
-def dump_flight_recorder(directory: Path, rank: int) -> list[Path]:
+def dump_flight_recorder(directory: Path, rank: int, ring: int | None = None) -> list[Path]:
     """Write each of torch's flight recorders that holds collectives (a pickle each) for this
     rank; [] where they are off or empty.
 
@@ -69,7 +69,7 @@ def dump_flight_recorder(directory: Path, rank: int) -> list[Path]:
 
     import torch
 
-    if ring_size() <= 0:
+    if (ring_size() if ring is None else ring) <= 0:
         return []
     c10d = torch._C._distributed_c10d
     written: list[Path] = []

@@ -34,7 +34,7 @@ class Phase:
     """Reusable timer for one phase of the current step (no allocation per use).
 
     It only appends ``(name, start, end)`` to the step's log: what the phases
-    add up to is worked out off the training thread (rankscope.accounting).
+    add up to is worked out off the training thread (rankscope.step.accounting).
     On a CUDA device it also records an event pair on the rank device's
     current stream: the host returns from forward long before the GPU finishes
     it, so device phases are measured by events and read later by the
@@ -134,7 +134,7 @@ class Step:
         """Report the step's loss, gradient norm and learning rate (the last call wins).
 
         Floats and tensors are fine, and so are non-scalar values, reduced by
-        the rules in ``rankscope.values`` (mean loss, total grad norm, first
+        the rules in ``rankscope.step.values`` (mean loss, total grad norm, first
         group's lr). A CPU tensor is read off the training thread, after the
         step; one modified in place before it is read is dropped and counted,
         never reported with its new value. A CUDA tensor is read once the

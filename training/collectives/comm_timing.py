@@ -43,7 +43,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from rankscope.collectives import CollectiveRecord, CollectiveTracker
+from rankscope.collectives.tracker import CollectiveRecord, CollectiveTracker
 from rankscope.contract.environment import ConfigError
 
 log = logging.getLogger("rankscope")

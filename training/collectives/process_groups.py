@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from rankscope.flight_recorder import ring_size
+from rankscope.collectives.flight_recorder import RING_DEFAULT
 
 log = logging.getLogger("rankscope")
 
@@ -272,14 +272,14 @@ class Cursor:
 class ProcessGroupReader:
     """Reads the flight recorders and writes the per-process-group series (see the module docstring).
 
-    ``metrics`` provides ``process_group_series(label, group_id, op)`` etc. (rankscope.metrics);
+    ``metrics`` provides ``process_group_series(label, group_id, op)`` etc. (rankscope.publishing.metrics);
     ``drop(what, reason, n)`` and ``error()`` count what goes wrong. ``source`` has
     ``recorders`` (names), ``status(recorder)``, ``entries_json(recorder)`` and ``close()``."""
 
     def __init__(self, metrics: Any, drop: Callable[..., None], error: Callable[[], None], source: Any,
                  max_groups: int, interval_s: float, entries_every_s: float = ENTRIES_EVERY_S,
                  initialized: Callable[[], bool] | None = None,
-                 on_in_flight: Callable[[float], None] | None = None, timing: bool = False):
+                 on_in_flight: Callable[[float], None] | None = None, timing: bool = False, ring: int = RING_DEFAULT):
         self._m = metrics
         self._drop = drop
         self._error = error
@@ -294,7 +294,7 @@ class ProcessGroupReader:
         self.cursors = {name: Cursor(name) for name in source.recorders}
         self.groups: dict[tuple[str, str], Group] = {}   # (recorder, pg_id) -> Group
         self._refused: set[tuple[str, str]] = set()      # groups over the budget
-        self._ring = ring_size()
+        self._ring = ring                        # entries the recorders keep (flight_recorder.ring_size)
         self._warned_off = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -386,7 +386,7 @@ class ProcessGroupReader:
                 pg._enable_collectives_timing()
 
     def _warn_if_recorder_off(self) -> None:
-        if ring_size() == 0 and not self._warned_off:
+        if self._ring == 0 and not self._warned_off:
             self._warned_off = True
             log.warning("rankscope: torch's flight recorder is off (TORCH_FR_BUFFER_SIZE=0): the collectives of "
                         "process groups other than DDP's and monitor.collective()'s are not seen")

@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+from rankscope.device.reads import DeviceReads
+
 log = logging.getLogger("rankscope")
 
 
@@ -92,8 +94,6 @@ class RankDevice:
                     log.warning("rankscope: timing on cuda:%d; cuda:%d (a model or value on another GPU) is not "
                                 "timed: give Monitor(device=...) the rank's own GPU", self.index, index)
                 return False
-        from rankscope.device_reads import DeviceReads
-
         if event_factory is None:
             import torch
 

@@ -1,0 +1,224 @@
+"""The training thread's side of the step path: each finished step is handed over as it is.
+
+When a step ends, the training thread appends one ``StepEnded`` record to a
+deque: no lock, no reading of values, no judging (the publisher does all that,
+``rankscope.step.accounting``). Right after a step's tensor work every line of
+Python runs cache-cold, several times slower than usual (docs/performance.md),
+so the less the training thread runs, the less the telemetry costs the step.
+
+What it does do, because only it can:
+
+* on CUDA, queue the step's phase events and its values' copies on the device's
+  stream (``rankscope.device.reads``), reducing a list of device values there
+  without a sync; a ``Monitor()`` made without a device learns it from the
+  first CUDA value;
+* keep each tensor value's version counter, so that one modified in place
+  before it is read is dropped, never misreported;
+* count a step the publisher has no room for (far behind), without its details;
+* on an out-of-memory error inside a step, count it and ask for a publish now
+  (``PublishNow``): the process may be about to die.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from rankscope.device.rank_device import RankDevice
+from rankscope.device.reads import DeviceStep
+from rankscope.errors import TelemetryErrors
+from rankscope.step import values
+from rankscope.step.records import IntervalEnded, StepEnded, TraceContext
+from rankscope.step.trace_feed import TraceFeed
+
+MAX_PENDING_STEPS = 10_000   # finished steps buffered between two publishes
+OOM_PUBLISH_WAIT_S = 1.0     # how long the training thread waits for the publish an OOM asks for
+
+_new_tuple = tuple.__new__   # StepEnded built positionally: a C call, the cheapest way (see StepEnded)
+
+
+class PublishNow:
+    """The training thread asks for a publish and waits for it, bounded; the publisher thread
+    sleeps between publishes until asked (or its interval passes)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._asked = 0        # requests made
+        self._served = 0       # requests a finished publish has covered
+        self._woken = False    # stop(): end the publisher's wait now
+
+    def ask(self, timeout_s: float = OOM_PUBLISH_WAIT_S) -> bool:
+        """Ask for a publish; True once one that began after this call has finished."""
+        with self._cond:
+            self._asked += 1
+            wanted = self._asked
+            self._cond.notify_all()
+            return self._cond.wait_for(lambda: self._served >= wanted, timeout_s)
+
+    def wait(self, timeout_s: float) -> int:
+        """Publisher thread: sleep until asked, woken or ``timeout_s``; the requests a publish
+        started now covers (pass them to ``served`` once it has finished)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._asked > self._served or self._woken, timeout_s)
+            return self._asked
+
+    def served(self, upto: int) -> None:
+        with self._cond:
+            self._served = max(self._served, upto)
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
+
+
+@dataclass
+class Overflow:
+    """Steps counted without their details, while the publisher was far behind."""
+
+    steps: int = 0
+    samples: int = 0
+    tokens: int = 0
+    last_step: int = -1
+    last_duration: float = 0.0
+    last_end: float = 0.0
+
+
+class StepHandoff:
+    """Hands each finished step and interval to the publisher (training thread)."""
+
+    def __init__(self, device: RankDevice, errors: TelemetryErrors, trace_feed: TraceFeed):
+        self._device = device
+        self._errors = errors
+        self._trace_feed = trace_feed
+        self.entries: deque[StepEnded | IntervalEnded] = deque()   # taken by the publisher, oldest first
+        self.publish_now = PublishNow()
+        self.steps_seen = 0          # completed steps handed over (read by rank_info)
+        self.ooms = 0                # out-of-memory errors inside steps, cumulative (the publisher takes deltas)
+        self._overflow = Overflow()
+        self._overflow_lock = threading.Lock()
+
+    # -- training thread -------------------------------------------------------
+    def step_ended(self, s: Any, t1: float, exc: BaseException | None) -> None:
+        """``s``: the ``rankscope.step.timer.Step`` that just ended (its fields are read here, once)."""
+        if exc is not None:
+            self._failed(s, t1, exc)
+            return
+        loss, grad, lr = s.loss, s.grad_norm, s.lr
+        exposed = 0.0
+        on_device = False
+        try:
+            comm = s.timer.comm   # the comm_timing strategy (Monitor.watch() may replace it)
+            if comm.mode != "off":
+                exposed = self._exposed_wait(comm, s)
+                comm.step_ended()
+            if self._device.events is not None or self._binds_device(loss, grad, lr):
+                on_device = True
+                loss, grad, lr = self._defer_to_device(s, t1, comm)
+        except Exception:
+            self._errors.error("step")
+        self.steps_seen += 1   # after the device is bound: rank_info waits for this (rankscope.publishing.startup)
+        ended = _new_tuple(StepEnded, (
+            s.number, s.numbered, s.t0, t1, s.samples, s.tokens, s.data_unlogged, s.phase_log, exposed,
+            loss, None if loss is None or type(loss) is float else getattr(loss, "_version", None),
+            grad, None if grad is None or type(grad) is float else getattr(grad, "_version", None), lr,
+            on_device))
+        if len(self.entries) < MAX_PENDING_STEPS:
+            self.entries.append(ended)
+        else:
+            self._overflowed(ended)
+
+    def interval_ended(self, category: str, t0: float, t1: float) -> None:
+        """A checkpoint or evaluation block."""
+        self.entries.append(IntervalEnded(category, t0, t1))
+
+    def take_overflow(self) -> Overflow:
+        """Publisher thread: the steps counted without details since the last call."""
+        with self._overflow_lock:
+            overflow, self._overflow = self._overflow, Overflow()
+        return overflow
+
+    # -- the parts of a step end -------------------------------------------------
+    def _exposed_wait(self, comm: Any, s: Any) -> float:
+        if not s.backward_end:
+            return 0.0
+        backward = sum(b - a for name, a, b in s.phase_log if name == "backward")
+        return comm.exposed_wait(s.backward_start, s.backward_end, backward)
+
+    def _binds_device(self, *observed: Any) -> bool:
+        """A rank whose CUDA device was not known (``Monitor()`` without one, no CUDA model
+        watched) learns it from the first CUDA value it observes: from this step on, its
+        values and phases are read from the device, never with a sync."""
+        for value in observed:
+            if value is None or type(value) is float:
+                continue
+            device = _cuda_device(value)
+            if device is not None:
+                return self._device.bind(device)
+        return False
+
+    def _defer_to_device(self, s: Any, t1: float, comm: Any) -> tuple[Any, Any, Any]:
+        """CUDA: queue the phase events and the values' copies now, on the device's stream."""
+        duration = t1 - s.t0
+        data = s.data_unlogged + sum(b - a for name, a, b in s.phase_log if name == "data")
+        reads = self._device.reads
+        reads.defer_step(DeviceStep(duration, data, s.device_phases, comm.last_device_bucket()))
+        context = self._trace_feed.context_of(s, duration) if self._trace_feed.enabled else None
+        return (self._defer_value(reads, "loss", s.loss, context),
+                self._defer_value(reads, "grad_norm", s.grad_norm, context),
+                self._defer_value(reads, "lr", s.lr, context))
+
+    def _defer_value(self, reads: Any, what: str, value: Any, context: TraceContext | None) -> Any:
+        """A device tensor (or a sequence holding one) is reduced here, on the training thread,
+        and goes to the device reads (None is left); anything else is read later."""
+        if value is None or type(value) is float or _cuda_device(value) is None:
+            return value
+        try:
+            number = values.read(what, value)
+        except values.NotANumber as e:
+            self._errors.drop("value", str(e))
+            return None
+        reads.defer_value(what, number, context)
+        return None
+
+    def _overflowed(self, ended: StepEnded) -> None:
+        """The publisher is far behind: count the step here, without its details."""
+        with self._overflow_lock:
+            o = self._overflow
+            o.steps += 1
+            o.samples += ended.samples
+            o.tokens += ended.tokens
+            o.last_step, o.last_duration = ended.number, ended.t1 - ended.t0
+            o.last_end = time.time() - (time.perf_counter() - ended.t1)
+        self._errors.drop("step_duration", f"more than {MAX_PENDING_STEPS} steps between two publishes")
+
+    def _failed(self, s: Any, t1: float, exc: BaseException) -> None:
+        self.entries.append(IntervalEnded("failed_step", s.t0, t1))
+        if not _is_oom(exc):
+            return
+        self.ooms += 1
+        try:
+            if self._trace_feed.enabled:
+                self._trace_feed.submit(self._trace_feed.context_of(s, t1 - s.t0), "oom", None)
+        except Exception:
+            self._errors.error("step")
+        self.publish_now.ask()   # bounded: the count reaches the files before the process may die
+
+
+def _cuda_device(value: Any) -> Any:
+    """The device of a CUDA tensor, or of the first one in a list or tuple; None otherwise."""
+    if getattr(value, "is_cuda", False):
+        return value.device
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            if getattr(item, "is_cuda", False):
+                return item.device
+    return None
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
