@@ -13,6 +13,7 @@ The generators, in dependency order; each keeps its render logic and exposes
                                   so one run is enough and --check does not depend on order)
 4. rankscope.exporter.catalog     the metric catalog between README.md's catalog markers
 5. rankscope.flops                the peak-FLOPS table between docs/goodput.md's peak-flops markers
+6. prometheus/generate.py         training/contract/thresholds.py (the bars other readers show)
 
 A file is stale when it differs from its rendering, is missing, or sits in a
 folder that holds only generated files (GENERATED_ONLY) but no generator makes
@@ -81,6 +82,7 @@ def render_all() -> dict[Path, str]:
     out.update(_kubernetes().outputs(upstream=dict(out)))
     out.update(readme_outputs())
     out.update(goodput_outputs())
+    out[REPO / "training" / "contract" / "thresholds.py"] = prometheus_generate.shared_thresholds_module()
     return out
 
 

@@ -20,8 +20,10 @@ RANK_STATES: tuple[str, ...] = (
     "dead",                 # process gone without finishing, or its monitor ended on an exception
     "finished",             # the monitor was closed after the loop completed (no exception on the way)
 )
-
-COLLECTORS: tuple[str, ...] = ("ranks", "nvml")
+# The states of a rank that is alive and not stepping: what a reader counts as stalled.
+STALLED_STATES: tuple[str, ...] = ("stuck_in_collective", "stuck", "frozen")
+# The states of a live process (starting up, stepping, or stalled).
+LIVE_STATES: tuple[str, ...] = ("starting", "progressing") + STALLED_STATES
 
 THROTTLE_REASONS: tuple[str, ...] = (
     "gpu_idle",

@@ -1,10 +1,17 @@
-"""The node's registry: ranks, GPUs, and the exporter's own health."""
+"""The node's registry: every collector the exporter runs, in one list, and its own health.
+
+As node_exporter does: each collector is registered once below, by name, with
+whether the configuration turns it on; the node collector runs the enabled
+ones on every scrape, isolating failures (one broken run directory or GPU must
+not blank the whole scrape), and reports each one's success and duration as
+series of their own (``rankscope_exporter_collector_success{collector}``).
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -17,16 +24,27 @@ from rankscope.exporter.ranks import RankCollector
 
 log = logging.getLogger("rankscope.exporter")
 
+# name -> the collector for a configuration, or None where the configuration turns it off.
+COLLECTORS: dict[str, Callable[[ExporterConfig], Collector | None]] = {
+    "ranks": RankCollector,
+    "nvml": lambda cfg: NvmlCollector(cfg.node) if cfg.nvml else None,
+}
+
 
 class NodeCollector(Collector):
-    """Runs each sub-collector, isolating failures: one broken run directory
-    or GPU must not blank the whole scrape, and the failure is itself a series."""
+    """Runs each enabled collector of ``COLLECTORS``; then the exporter's own series."""
 
     def __init__(self, cfg: ExporterConfig, nvml: NvmlCollector | None = None):
         self.cfg = cfg
-        self.ranks = RankCollector(cfg)
-        self.nvml = nvml if nvml is not None else (NvmlCollector(cfg.node) if cfg.nvml else None)
+        built = {name: (nvml if name == "nvml" and nvml is not None else make(cfg))
+                 for name, make in COLLECTORS.items()}
+        self.collectors: dict[str, Collector] = {name: c for name, c in built.items() if c is not None}
+        self.ranks: RankCollector = self.collectors["ranks"]   # the exporter's reason to be: always on
         self._logged: set[str] = set()
+
+    @property
+    def nvml(self) -> NvmlCollector | None:
+        return self.collectors.get("nvml")
 
     def collect(self) -> Iterator[Metric]:
         success = GaugeMetricFamily("rankscope_exporter_collector_success",
@@ -34,10 +52,7 @@ class NodeCollector(Collector):
         duration = GaugeMetricFamily("rankscope_exporter_collect_duration_seconds",
                                      BY_NAME["rankscope_exporter_collect_duration_seconds"].help,
                                      labels=["collector"])
-        collectors = [("ranks", self.ranks)]
-        if self.nvml is not None:
-            collectors.append(("nvml", self.nvml))
-        for name, collector in collectors:
+        for name, collector in self.collectors.items():
             t0 = time.perf_counter()
             ok = True
             try:
@@ -47,8 +62,7 @@ class NodeCollector(Collector):
                 if name not in self._logged:
                     self._logged.add(name)
                     log.exception("collector %s failed (reported as rankscope_exporter_collector_success=0)", name)
-            if name == "nvml" and self.nvml.error and not getattr(self.nvml, "no_driver", False):
-                ok = False
+            ok = ok and getattr(collector, "healthy", True)
             success.add_metric([name], 1.0 if ok else 0.0)
             duration.add_metric([name], time.perf_counter() - t0)
         yield success

@@ -58,6 +58,11 @@ class NvmlCollector:
                                                   "ModuleNotFoundError")
             log.info("NVML unavailable (%s): no GPU series", self.error)
 
+    @property
+    def healthy(self) -> bool:
+        """False where NVML is there but failed (a broken driver); no driver at all is a CPU node, not a failure."""
+        return not (self.error and not getattr(self, "no_driver", False))
+
     def _watch_xids(self) -> None:
         nvml = self.nvml
         try:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import hmac
 import logging
 import ssl
 import threading
@@ -66,7 +65,6 @@ class WebConfig:
     ssl_context: ssl.SSLContext | None = None
     users: dict[str, bytes] = field(default_factory=dict)   # user -> bcrypt hash
     headers: list[tuple[str, str]] = field(default_factory=list)
-    client_auth_type: str = "NoClientCert"
     _verified: dict[bytes, bool] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -155,7 +153,7 @@ def load_web_config(path: Path) -> WebConfig:
     if tls is not None:
         if not isinstance(tls, dict):
             raise ExporterConfigError(f"{OPT}: tls_server_config must be a mapping")
-        cfg.ssl_context, cfg.client_auth_type = _ssl_context(tls, base)
+        cfg.ssl_context = _ssl_context(tls, base)
     if cfg.users and cfg.ssl_context is None:
         log.warning("%s: basic_auth_users without tls_server_config: passwords travel in clear text", OPT)
     return cfg
@@ -206,7 +204,7 @@ def _headers(http: Any) -> list[tuple[str, str]]:
     return out
 
 
-def _ssl_context(tls: dict, base: Path) -> tuple[ssl.SSLContext | None, str]:
+def _ssl_context(tls: dict, base: Path) -> ssl.SSLContext | None:
     _no_unknown(tls, TLS_KEYS, "tls_server_config.")
     for key in UNSUPPORTED_TLS_KEYS:
         if tls.get(key):
@@ -215,7 +213,7 @@ def _ssl_context(tls: dict, base: Path) -> tuple[ssl.SSLContext | None, str]:
     auth = tls.get("client_auth_type") or "NoClientCert"
     if not cert and not key:
         # exporter-toolkit: an empty TLS section means plain HTTP.
-        return None, auth
+        return None
     if not cert or not key:
         raise ExporterConfigError(f"{OPT}: tls_server_config needs both cert_file and key_file")
     if auth in UNSUPPORTED_CLIENT_AUTH:
@@ -244,7 +242,7 @@ def _ssl_context(tls: dict, base: Path) -> tuple[ssl.SSLContext | None, str]:
         except (OSError, ssl.SSLError) as e:
             raise ExporterConfigError(f"{OPT}: tls_server_config.client_ca_file: cannot load {ca}: "
                                       f"{getattr(e, 'strerror', None) or e}") from None
-    return ctx, auth
+    return ctx
 
 
 def _version(tls: dict, key: str, default: str) -> ssl.TLSVersion:

@@ -50,6 +50,7 @@ from grafana_foundation_sdk.models.dashboard import (
 )
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
+from prometheus.rules_spec import gpu_rank_map
 from rankscope.exporter.catalog import RANK_STATES
 
 DASHBOARDS_DIR = Path(__file__).resolve().parent / "dashboards"
@@ -96,12 +97,8 @@ def phase_rate(by: str, phase_matcher: str = "") -> str:
 
 
 # GPU device metrics carry node/gpu/uuid; ranks carry their GPU's UUID in
-# rankscope_rank_info{gpu_uuid}. One rank per GPU is kept (topk) so the join
-# never errors when two ranks share a GPU.
-RANK_OF_GPU = (
-    "topk by (node, uuid) (1, max by (node, uuid, rank) (label_replace("
-    f'rankscope_rank_info{{{SEL}, gpu_uuid!=""}}, "uuid", "$1", "gpu_uuid", "(.+)")))'
-)
+# rankscope_rank_info{gpu_uuid}: the join is the rules' own (rules_spec.gpu_rank_map).
+RANK_OF_GPU = gpu_rank_map(None, selector=f'{{{SEL}, gpu_uuid!=""}}').replace("\n", " ")
 
 
 def per_rank_gpu(expr: str) -> str:
@@ -630,7 +627,7 @@ def render_all() -> dict[str, str]:
 
     The text is passed once through the SDK's decoder so that it is exactly
     what the models read back (they fill in plugin defaults the builders leave
-    out); tests/test_dashboards.py checks that fixed point.
+    out); tests/unit/test_dashboards.py checks that fixed point.
     """
     out: dict[str, str] = {}
     for make in DASHBOARDS:

@@ -75,6 +75,30 @@ def load_thresholds(*overrides: Path) -> dict:
     return config
 
 
+# The bars the rules judge by that people also see drawn or summarised elsewhere (rankscope
+# report's straggler plot, rankscope top, rank 0's TensorBoard / MLflow run): rendered into
+# the rank side's package, so that those readers use the one definition (thresholds.yaml).
+SHARED_PARAMS = {
+    "straggler_ratio": ("STRAGGLER_RATIO", float,
+                        "a rank's compute per step over the median of its peers' at which it is a straggler"),
+    "straggler_phases": ("STRAGGLER_PHASES", lambda v: tuple(str(v).split("|")),
+                         "the phases that are compute, for the straggler ratio"),
+    "comm_bound_ratio": ("COMM_BOUND_RATIO", float, "comm_wait's share of a rank's step time that is comm-bound"),
+    "input_bound_ratio": ("INPUT_BOUND_RATIO", float, "data wait's share of a rank's step time that is input-bound"),
+}
+
+
+def shared_thresholds_module(config: dict | None = None) -> str:
+    """training/contract/thresholds.py: SHARED_PARAMS of thresholds.yaml as Python constants."""
+    params = (config or load_thresholds())["params"]
+    lines = ['"""The bars the alert rules judge by, for the readers that show them too.', "",
+             "Generated from prometheus/thresholds.yaml by deploy/generate.py: do not edit; change that file",
+             "and regenerate (.venv/bin/python deploy/generate.py).", '"""', ""]
+    for key, (name, convert, meaning) in SHARED_PARAMS.items():
+        lines += [f"# params.{key}: {meaning}", f"{name} = {convert(params[key])!r}"]
+    return "\n".join(lines) + "\n"
+
+
 def substitute(text: str, config: dict) -> str:
     params = config["params"]
 

@@ -9,7 +9,7 @@ fills from prometheus/thresholds.yaml:
   configured ``selector`` (e.g. ``job="rankscope"``) put in front.
 
 Only metric names from rankscope.contract.catalog and rankscope.exporter.catalog (plus Prometheus's
-own ``up``) may appear; tests/test_rules.py checks it.
+own ``up``) may appear; tests/unit/test_rules.py checks it.
 """
 
 from __future__ import annotations
@@ -58,12 +58,15 @@ GPU_ERRORS_NEW = "uuid_error:rankscope_gpu_errors:new"                  # new XI
 GPU_THROTTLED_NOW = "uuid_reason:rankscope_gpu_throttled:active"        # throttled for a paging reason
 
 
-def gpu_rank_map(rank_filter: str) -> str:
-    """One rank_info series per GPU UUID (label ``uuid``), of a rank that passes ``rank_filter``."""
+def gpu_rank_map(rank_filter: str | None, selector: str = "{SEL}") -> str:
+    """The join from a GPU to its rank, defined once for the rules and the dashboards
+    (grafana/generate.py): one rank_info series per GPU UUID (label ``uuid``, which the
+    exporter's GPU series carry), of a rank that passes ``rank_filter`` (None: any rank).
+    One per UUID, so a join never fails where two ranks share a GPU."""
+    joined = f"\n  and on (run, rank) ({rank_filter})" if rank_filter is not None else ""
     return ("topk by (uuid) (1,\n"
-            "  label_replace(rankscope_rank_info{SEL}, \"uuid\", \"$1\", \"gpu_uuid\", \"(.+)\")\n"
-            f"  and on (run, rank) ({rank_filter})\n"
-            ")")
+            f"  label_replace(rankscope_rank_info{selector}, \"uuid\", \"$1\", \"gpu_uuid\", \"(.+)\")"
+            f"{joined}\n)")
 
 
 def with_rank_of_gpu(expr: str, *, required: bool = False, ranks: str = GPU_RANK_LIVE) -> str:
@@ -713,7 +716,7 @@ ALERTS: tuple[Alert, ...] = (
 
 # How often a group evaluates: the thresholds.yaml key that holds its interval. At
 # 1,024 nodes the rules' CPU is the Prometheus's; a rule evaluated half as often
-# costs half (docs/scaling.md). tests/test_rules.py checks that no page waits on
+# costs half (docs/scaling.md). tests/unit/test_rules.py checks that no page waits on
 # a less frequent group: a critical alert, and every record it reads, is PAGING.
 PAGING = "rule_interval"            # pages, and what they read (Prometheus's global interval, 15 s)
 WARNING = "warning_rule_interval"   # warnings (chat, not pager), and records only they read (30 s)

@@ -1,23 +1,21 @@
-"""Suite-wide fixtures and the two test tiers.
+"""Suite-wide fixtures and the test tiers, one folder each.
 
-Tiers. The fast tier (``bash tests/run.sh --fast``, i.e. ``pytest -m "not
-integration"``) is the unit and static tests: no torchrun jobs, no exporter
-process, no Prometheus/Alertmanager server, no other long-running process
-(short tools such as promtool, amtool or systemd-analyze are fine). Two rules
-keep integration tests out of it:
+    tests/unit/         the fast tier (bash tests/run.sh --fast): unit and static tests, no
+                        torchrun job, no exporter process, no Prometheus/Alertmanager server, no
+                        other long-running process (short tools such as promtool, amtool or
+                        systemd-analyze are fine)
+    tests/integration/  real jobs, exporters, Prometheus, Alertmanager, OTLP receivers, browsers
+    tests/drills/       whole incidents end to end: the alert drills, a healthy run paging
+                        nothing, and the fault matrix (its own tier: bash tests/run.sh --matrix)
 
-1. Opt-in by file: a file's tests are in the fast tier only if the file is
-   listed in FAST_FILES below; every test of any other file (a new file
-   included) is marked ``integration`` here. Inside a listed file, a test that
-   needs a real process carries ``@pytest.mark.integration`` itself.
-2. Enforced at run time: a test not marked ``integration`` that starts one of
-   the project's long-running processes (torchrun / torch.distributed.run, the
-   trainer, the exporter, Prometheus, Alertmanager, the demo) fails at once,
-   naming the command, in every run (the full suite included), so a misfiled
-   test breaks CI instead of slowing the fast tier.
+Every test outside tests/unit is marked ``integration`` here, so ``-m "not integration"``
+is the same tier. The fast tier's rule is enforced at run time: a unit test that starts
+one of the project's long-running processes (torchrun / torch.distributed.run, the
+trainer, the exporter, Prometheus, Alertmanager, the demo) fails at once, naming the
+command, in every run (the full suite included), so a misfiled test breaks CI instead of
+slowing the fast tier.
 """
 
-import fnmatch
 import os
 import shlex
 import subprocess
@@ -26,25 +24,7 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-
-# Files (relative to tests/) whose tests are fast unless marked `integration`.
-FAST_FILES = frozenset({
-    "test_catalog.py",
-    "test_collectives_units.py",
-    "test_console_units.py",
-    "test_dashboards.py",
-    "test_flops.py",
-    "test_integrations_api.py",
-    "test_deploy.py",
-    "test_exporter_cardinality.py",
-    "test_exporter_compaction.py",
-    "test_exporter_reader.py",
-    "test_monitor_api.py",
-    "test_nvml.py",
-    "test_rules.py",
-    "test_tracing_unit.py",
-    "test_units.py",
-})
+FAST_TIER = TESTS / "unit"
 
 # Long-running programs: by executable name, by `python -m` module, by script name.
 LONG_RUNNING_EXECUTABLES = frozenset({"torchrun", "prometheus", "prometheus-alertmanager", "alertmanager"})
@@ -53,29 +33,23 @@ LONG_RUNNING_MODULES = frozenset({"torch.distributed.run", "torch.distributed.la
 LONG_RUNNING_SCRIPTS = frozenset({"demo.sh"})
 
 
-def _tests_relative(path) -> str | None:
-    try:
-        return Path(path).resolve().relative_to(TESTS).as_posix()
-    except ValueError:  # outside tests/ (given on the command line)
-        return None
+def _fast(path) -> bool:
+    return FAST_TIER in Path(path).resolve().parents
 
 
 def pytest_ignore_collect(collection_path, config):
-    """With exactly -m "not integration" (the fast tier), do not even import
-    the other files: every test in them is integration (rule 1)."""
+    """With exactly -m "not integration" (the fast tier), do not even import the other tiers."""
     if " ".join(config.getoption("markexpr", "").split()) not in ("not integration", "not integration and not matrix"):
         return None
-    if not collection_path.is_file() or collection_path.suffix != ".py":
-        return None
-    if not any(fnmatch.fnmatch(collection_path.name, pattern) for pattern in config.getini("python_files")):
-        return None
-    rel = _tests_relative(collection_path)
-    return True if rel is not None and rel not in FAST_FILES else None
+    if collection_path.is_dir():
+        inside = collection_path.resolve()
+        return None if inside == TESTS or inside == FAST_TIER or FAST_TIER in inside.parents else True
+    return None if collection_path.suffix != ".py" or _fast(collection_path) else True
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if _tests_relative(item.path) not in FAST_FILES and item.get_closest_marker("integration") is None:
+        if not _fast(item.path):
             item.add_marker(pytest.mark.integration)
 
 
@@ -109,9 +83,8 @@ def pytest_runtest_protocol(item, nextitem):
     def guarded(self, args, *a, **kw):
         what = long_running(args)
         if what is not None:
-            pytest.fail(f"{item.nodeid} is in the fast tier but starts {what!r} ({args!r}): mark it "
-                        "@pytest.mark.integration, or move it to a file not in FAST_FILES (tests/conftest.py)",
-                        pytrace=False)
+            pytest.fail(f"{item.nodeid} is in the fast tier (tests/unit) but starts {what!r} ({args!r}): "
+                        "move it to tests/integration", pytrace=False)
         original(self, args, *a, **kw)
 
     subprocess.Popen.__init__ = guarded

@@ -18,7 +18,7 @@ elif [ "${1:-}" = "--matrix" ]; then
     shift
     tier=(-m matrix)
 fi
-# victoria-metrics (vmagent, vmalert): tests/test_scale_victoriametrics.py (issue 16).
+# victoria-metrics (vmagent, vmalert): tests/integration/test_scale_victoriametrics.py (issue 16).
 if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null \
         || ! command -v amtool >/dev/null || ! command -v vmagent >/dev/null; then
     if [ "$(id -u)" = 0 ]; then

@@ -155,7 +155,7 @@ _MATCH: tuple[tuple[str, tuple[str, ...], str], ...] = (
 
 
 def peak_table_markdown() -> str:
-    """``PEAK_FLOPS`` as the Markdown table of docs/goodput.md (TFLOP/s; tests/test_flops.py
+    """``PEAK_FLOPS`` as the Markdown table of docs/goodput.md (TFLOP/s; tests/unit/test_flops.py
     checks that the document shows exactly this)."""
     lines = ["| GPU (entry) | bf16 | fp16 | tf32 | fp32 | fp8 |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for entry, peaks in PEAK_FLOPS.items():

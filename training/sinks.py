@@ -44,13 +44,15 @@ import threading
 import time
 import urllib.error
 import urllib.parse
-import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from rankscope import pages
 from rankscope.contract.environment import ConfigError, metrics_url
+from rankscope.contract.thresholds import STRAGGLER_PHASES as COMPUTE_PHASES
+from rankscope.exporter.catalog import STALLED_STATES
 
 log = logging.getLogger("rankscope")
 
@@ -67,8 +69,6 @@ MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST
 QUEUE_RECORDS = 8          # records a backend may have waiting; more are dropped and counted
 MLFLOW_PENDING = 4         # asynchronous MLflow batches in flight; the writer waits for the oldest beyond
 SCRAPE_TIMEOUT_S = 5.0
-STALLED_STATES = ("stuck", "stuck_in_collective", "frozen")
-COMPUTE_PHASES = ("forward", "backward", "optimizer")   # the straggler phases (prometheus/thresholds.yaml)
 WANTED = frozenset({
     "rankscope_steps_total", "rankscope_step_duration_seconds_sum", "rankscope_step_duration_seconds_count",
     "rankscope_phase_seconds_total", "rankscope_loss", "rankscope_step", "rankscope_nonfinite_total",
@@ -196,72 +196,54 @@ class RankValues:
     wall: dict[str, float] = field(default_factory=dict)
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
 def parse_page(text: str, run: str) -> dict[int, RankValues]:
-    """Every rank of ``run`` in an exporter page. Only the lines of the series used here are
-    parsed (a node's page is mostly histogram buckets and other runs)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    needle = f'run="{_escape(run)}"'
-    lines = [line for line in text.splitlines()
-             if line[:1] != "#" and needle in line and line.split("{", 1)[0] in WANTED]
+    """Every rank of ``run`` in an exporter page (only the lines of the series used here are parsed)."""
     ranks: dict[int, RankValues] = {}
     pids: dict[int, set[str]] = {}
-    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
-        for s in family.samples:
-            labels = s.labels
-            if labels.get("run") != run:
-                continue
-            try:
-                rank = int(labels["rank"])
-            except (KeyError, ValueError):
-                continue
-            r = ranks.setdefault(rank, RankValues())
-            name, v = s.name, float(s.value)
-            if name == "rankscope_steps_total":
-                r.steps = v
-            elif name == "rankscope_step_duration_seconds_sum":
-                r.dur_sum = v
-            elif name == "rankscope_step_duration_seconds_count":
-                r.dur_count = v
-            elif name == "rankscope_phase_seconds_total":
-                r.phases[labels.get("phase", "")] = r.phases.get(labels.get("phase", ""), 0.0) + v
-            elif name == "rankscope_loss":
-                r.loss = v
-            elif name == "rankscope_step":
-                r.step = v if r.step is None or not math.isfinite(r.step) else max(r.step, v)
-            elif name == "rankscope_last_step_timestamp_seconds":
-                r.step_ts = v
-            elif name == "rankscope_nonfinite_total":
-                r.nonfinite += v
-            elif name == "rankscope_oom_total":
-                r.oom += v
-            elif name == "rankscope_rank_start_timestamp_seconds":
-                r.start_ts = v
-            elif name == "rankscope_rank_info":
-                pids.setdefault(rank, set()).add(labels.get("process_id", ""))
-            elif name == "rankscope_rank_state":
-                if v == 1:
-                    r.state = labels.get("state")
-            elif name == "rankscope_hang_suspect":
-                r.hang_suspect = r.hang_suspect or v == 1
-            elif name == "rankscope_model_flops_total":
-                r.flops = v
-            elif name == "rankscope_device_peak_flops":
-                r.peak_flops = v
-            elif name == "rankscope_wall_seconds_total":
-                r.wall[labels.get("category", "")] = r.wall.get(labels.get("category", ""), 0.0) + v
+    for s in pages.parse(text, WANTED, run):
+        labels = s.labels
+        try:
+            rank = int(labels["rank"])
+        except (KeyError, ValueError):
+            continue
+        r = ranks.setdefault(rank, RankValues())
+        name, v = s.name, float(s.value)
+        if name == "rankscope_steps_total":
+            r.steps = v
+        elif name == "rankscope_step_duration_seconds_sum":
+            r.dur_sum = v
+        elif name == "rankscope_step_duration_seconds_count":
+            r.dur_count = v
+        elif name == "rankscope_phase_seconds_total":
+            r.phases[labels.get("phase", "")] = r.phases.get(labels.get("phase", ""), 0.0) + v
+        elif name == "rankscope_loss":
+            r.loss = v
+        elif name == "rankscope_step":
+            r.step = v if r.step is None or not math.isfinite(r.step) else max(r.step, v)
+        elif name == "rankscope_last_step_timestamp_seconds":
+            r.step_ts = v
+        elif name == "rankscope_nonfinite_total":
+            r.nonfinite += v
+        elif name == "rankscope_oom_total":
+            r.oom += v
+        elif name == "rankscope_rank_start_timestamp_seconds":
+            r.start_ts = v
+        elif name == "rankscope_rank_info":
+            pids.setdefault(rank, set()).add(labels.get("process_id", ""))
+        elif name == "rankscope_rank_state":
+            if v == 1:
+                r.state = labels.get("state")
+        elif name == "rankscope_hang_suspect":
+            r.hang_suspect = r.hang_suspect or v == 1
+        elif name == "rankscope_model_flops_total":
+            r.flops = v
+        elif name == "rankscope_device_peak_flops":
+            r.peak_flops = v
+        elif name == "rankscope_wall_seconds_total":
+            r.wall[labels.get("category", "")] = r.wall.get(labels.get("category", ""), 0.0) + v
     for rank, found in pids.items():
         ranks[rank].pids = frozenset(found)
     return ranks
-
-
-def scrape(url: str, timeout: float) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return resp.read().decode(errors="replace")
 
 
 # -- summarising -----------------------------------------------------------------------------
@@ -650,7 +632,7 @@ class Sink:
             answered = 0
             for url in self.urls:
                 try:
-                    text = scrape(url, min(SCRAPE_TIMEOUT_S, max(self.interval_s, 1.0)))
+                    text = pages.fetch(url, min(SCRAPE_TIMEOUT_S, max(self.interval_s, 1.0)))
                 except (OSError, urllib.error.URLError, ValueError) as e:
                     log.debug("rankscope sink: %s: %s", url, e)
                     continue

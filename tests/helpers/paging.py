@@ -2,9 +2,9 @@
 test webhook, the deliveries of one run, and the noisy healthy run that must
 deliver nothing.
 
-Used by the fault matrix (tests/test_fault_matrix.py: every fault, and the
+Used by the fault matrix (tests/drills/test_fault_matrix.py: every fault, and the
 10-minute healthy run at the production thresholds) and by the regular suite's
-2-minute healthy run at the fast thresholds (tests/test_healthy_run.py).
+2-minute healthy run at the fast thresholds (tests/drills/test_healthy_run.py).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ Strategies:
 
 ``auto`` is the hook on CUDA and the reducer timers on CPU.
 
-The hook must never change what DDP computes (tests/test_same_weights.py
+The hook must never change what DDP computes (tests/integration/test_same_weights.py
 checks the weights bit for bit):
 
 * it reduces over the model's own process group (``process_group=`` or

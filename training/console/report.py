@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from rankscope.console.sources import Prometheus, SourceError, escape, parse_duration
-from rankscope.console.view import COMPUTE_PHASES, histogram_quantile
+from rankscope.console.view import histogram_quantile
+from rankscope.contract.thresholds import STRAGGLER_PHASES as COMPUTE_PHASES
+from rankscope.contract.thresholds import STRAGGLER_RATIO
 from rankscope.contract.catalog import PHASES
 
 MAX_POINTS = 240          # points per series in range queries: enough for a 1000-pixel-wide plot
@@ -41,7 +43,6 @@ MAX_RANKED_BARS = 30      # ranks drawn in the straggler bars (the slowest), all
 MAX_FIG_HEIGHT = 14.0     # inches: a 1,000-rank run still gives a readable page
 PHASE_COLORS = {"data": "#e6b800", "forward": "#4c72b0", "backward": "#8172b3", "optimizer": "#55a868",
                 "comm_wait": "#c44e52", "other": "#b0b0b0"}
-STRAGGLER_PEER_RATIO = 1.35   # the Straggler alert's bar (prometheus/thresholds.yaml), drawn on its plot
 
 
 @dataclass
@@ -292,8 +293,8 @@ def straggler_plot(d: RunData, ranking: list[dict[str, Any]]) -> Plot:
             line.plot(_dates([t for t, _ in finite]), [v for _, v in finite], label=f"rank {labels.get('rank')}",
                       linewidth=1 if len(series) <= MAX_LEGEND else 0.5)
     if points:
-        line.axhline(STRAGGLER_PEER_RATIO, color="#c44e52", linestyle="--", linewidth=1,
-                     label=f"alert bar {STRAGGLER_PEER_RATIO}")
+        line.axhline(STRAGGLER_RATIO, color="#c44e52", linestyle="--", linewidth=1,
+                     label=f"alert bar {STRAGGLER_RATIO}")
         _legend(line, len(series) + 1)
         line.set_ylabel("compute per step / peers' median")
         _time_axis(line, d)

@@ -18,13 +18,14 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, NamedTuple
+from typing import Any, Iterable, Mapping
 
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
+from rankscope import pages
 from rankscope.contract.environment import DEFAULT_ADDR, DEFAULT_PORT, ConfigError, env_value, metrics_url
 from rankscope.contract.rundir import default_metrics_dir, exporter_address
+from rankscope.pages import Series
 
 DEFAULT_EXPORTER = f"http://{DEFAULT_ADDR}:{DEFAULT_PORT}/metrics"
 # Labels Prometheus adds on scrape; two jobs scraping one exporter give the same rank series twice.
@@ -33,14 +34,6 @@ TARGET_LABELS = ("job", "instance")
 
 class SourceError(Exception):
     """A source cannot be read or is not what it should be. The message is one line."""
-
-
-class Series(NamedTuple):
-    """One sample of one series: the exposition's name (``_bucket``/``_sum``/``_count`` kept), labels, value."""
-
-    name: str
-    labels: dict[str, str]
-    value: float
 
 
 def _get(url: str, timeout: float) -> bytes:
@@ -102,10 +95,9 @@ def scrape_exporter(url: str, timeout: float = 5.0) -> list[Series]:
     """Every sample a rankscope node exporter serves."""
     raw = _get(url, timeout).decode(errors="replace")
     try:
-        samples = [Series(s.name, dict(s.labels), s.value)
-                   for family in text_string_to_metric_families(raw) for s in family.samples]
-    except Exception as e:  # noqa: BLE001 - the parser raises several kinds on text that is not an exposition
-        raise SourceError(f"{url}: not a Prometheus exposition ({e})") from None
+        samples = pages.parse(raw)
+    except ValueError as e:
+        raise SourceError(f"{url}: {e}") from None
     if not any(s.name == "rankscope_exporter_info" for s in samples):
         raise SourceError(f"{url}: not a rankscope exporter (no rankscope_exporter_info series)")
     return samples

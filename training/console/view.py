@@ -19,11 +19,9 @@ from typing import Iterable
 
 from rankscope.console.sources import Series, SourceError
 from rankscope.contract.catalog import PHASES
-from rankscope.exporter.catalog import RANK_STATES
+from rankscope.exporter.catalog import LIVE_STATES, RANK_STATES
 
-COMPUTE_PHASES = ("forward", "backward", "optimizer")
 # States in which a rank still belongs to the running job (the default run is the one that has them).
-LIVE_STATES = ("starting", "progressing", "stuck_in_collective", "stuck", "frozen")
 
 
 @dataclass

@@ -7,7 +7,7 @@
   (port, address) and the node name.
 
 The exporter imports only this package from the rank side
-(``tests/test_package.py`` enforces it), so the two can change independently
+(``tests/integration/test_package.py`` enforces it), so the two can change independently
 as long as this contract holds. Nothing here imports torch or
 prometheus_client.
 """

@@ -22,7 +22,6 @@ import json
 import os
 import re
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -214,6 +213,3 @@ def _unlink(path: Path) -> list[Path]:
     except FileNotFoundError:
         return []
 
-
-def now() -> float:
-    return time.time()

@@ -8,3 +8,9 @@
 * ``startup``: what a rank does once: claims its run, prepares the run directory,
   describes itself (``rank_info``).
 """
+
+from rankscope.publishing.metrics import RankMetrics
+from rankscope.publishing.publisher import Publisher
+from rankscope.publishing.user_metrics import UserMetric, UserMetrics
+
+__all__ = ["Publisher", "RankMetrics", "UserMetric", "UserMetrics"]

@@ -48,23 +48,25 @@ def launcher_pid(env: Mapping[str, str] | None = None) -> int:
 def claim_run(identity: RankIdentity, metrics_dir: Path) -> RankIdentity:
     """``identity``, unless another job that is still running uses its run id on this node.
 
-    Another job is another launcher (torchrun agent) that is alive, with a rank process
-    that is alive: its counts must not be mixed with this one's, and nothing it counted
-    may be removed. A restart by the same launcher, or the leftovers of a finished launch,
-    are not another job (``prepare_run_dir`` handles them). A single-process job then
-    takes a run id of its own, ``<run>-<pid>``, said once; a distributed job cannot (its
-    ranks on other nodes would not follow) and is refused at start-up, naming both jobs."""
+    Ranks of one job never share a rank number; two jobs on one run id do. So another job
+    is a live process registered in the run's directory as this rank, other than this
+    process and not started by this rank's launcher (a torchelastic restart replaces its
+    own workers). Whatever launched the ranks (torchrun, srun, mp.spawn, a framework's own
+    launcher), its counts must not be mixed with this one's, and nothing it counted may be
+    removed. A single-process job then takes a run id of its own, ``<run>-<pid>``, said once;
+    a distributed job cannot (its ranks on other nodes would not follow) and is refused at
+    start-up, naming both jobs."""
     run_dir = metrics_dir / run_slug(identity.run)
     if not run_dir.is_dir():
         return identity
     launcher = launcher_pid()
     ticks = process_start_ticks(launcher)
     others = [reg for reg in load_registrations(run_dir)
-              if not (reg.agent_pid == launcher and reg.agent_start_ticks == ticks)
-              and reg.pid != os.getpid() and reg.process_alive() and reg.agent_alive()]
+              if reg.rank == identity.rank and reg.pid != os.getpid() and reg.finished_at is None
+              and not (reg.agent_pid == launcher and reg.agent_start_ticks == ticks) and reg.process_alive()]
     if not others:
         return identity
-    other = min(others, key=lambda reg: reg.rank)
+    other = others[0]
     described = (f"run {identity.run!r} on node {identity.node} is already used by a job that is still running "
                  f"(its rank {other.rank} is pid {other.pid}, launched by pid {other.agent_pid}, since "
                  f"{time.strftime('%H:%M:%S', time.localtime(other.started_at))})")

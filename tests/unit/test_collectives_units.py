@@ -282,7 +282,6 @@ def test_durations_still_pending_when_overwritten_are_given_up():
     assert drops == [("flight_recorder", 2)]
 
 
-@pytest.mark.integration
 def test_collective_timing_is_turned_on_for_every_process_group(monkeypatch):
     """RANKSCOPE_COLLECTIVE_TIMING=1: each group, once (gloo accepts the call and records no durations)."""
     import torch.distributed as dist

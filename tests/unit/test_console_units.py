@@ -1,8 +1,6 @@
 """The console's pure parts (issue 18): the quantile it reads from buckets agrees with
 Prometheus's rule, the window falls back to totals when no step completed, the phase bar
 fills its cells, and times, durations and URLs parse as documented. No processes.
-
-(Not in conftest's FAST_FILES, which this issue does not own; they take well under a second.)
 """
 
 from __future__ import annotations

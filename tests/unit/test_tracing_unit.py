@@ -27,7 +27,7 @@ from rankscope.tracing.api import (ATTR_ANOMALY, ATTR_BUCKET, ATTR_BYTES, ATTR_O
                                    ATTR_REASON, ATTR_STEP, ROOT_SPAN, Tracing, TracingConfig, count_spans,
                                    step_trace_id)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def identity(rank: int = 0, run: str = "unit-run", **kw) -> RankIdentity:

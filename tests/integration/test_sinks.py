@@ -277,7 +277,7 @@ def test_a_full_disk_drops_tensorboard_records_and_the_sink_recovers(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True,
-                         timeout=120, cwd=Path(__file__).resolve().parents[1])
+                         timeout=120, cwd=Path(__file__).resolve().parents[2])
     result = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
     assert result, out.stdout + out.stderr[-3000:]
     before, full, after, alive, worst_us = map(int, result[0].split()[1:])

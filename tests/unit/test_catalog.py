@@ -15,7 +15,7 @@ from rankscope.contract import catalog
 ALL = catalog.RANK_METRICS + exporter_catalog.EXPORTER_METRICS
 BASE_UNITS = ("seconds", "bytes", "ratio", "celsius", "watts", "joules", "hertz", "total")
 FORBIDDEN_LABELS = {"job", "instance", "step", "le", "quantile", "pid"}
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def check_spec(spec) -> list[str]:
@@ -72,7 +72,7 @@ def test_names_are_unique_and_rank_series_carry_identity():
 
 def test_readme_catalog_lists_every_metric():
     # That it is exactly the generated table is checked with every generated
-    # file by tests/test_deploy.py (deploy/generate.py --check).
+    # file by tests/unit/test_deploy.py (deploy/generate.py --check).
     readme = (REPO / "README.md").read_text()
     assert readme.count(exporter_catalog.START) == 1 and readme.count(exporter_catalog.END) == 1
     catalog_text = readme.split(exporter_catalog.START)[1].split(exporter_catalog.END)[0]

@@ -36,7 +36,7 @@ from rankscope.exporter.catalog import RANK_STATES
 from tests.helpers.jobs import TrainJob
 from tests.helpers.promstack import PrometheusServer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = {p.stem: json.loads(p.read_text()) for p in sorted((ROOT / "grafana" / "dashboards").glob("*.json"))}
 RULE_FILES = sorted((ROOT / "prometheus" / "rules").glob("*.yml"))
 

@@ -77,9 +77,11 @@ def test_identity_from_torchrun_slurm_and_defaults():
 
 
 def test_a_second_live_job_on_a_run_id_in_use_is_caught(tmp_path, caplog):
-    """Two jobs that land on one run id on one node would add their counts up: another live
-    launcher's live rank in the run's directory is caught at start-up. A single-process job
-    takes a run id of its own; a distributed one is refused, naming the other job."""
+    """Two jobs that land on one run id on one node would add their counts up: a live process
+    registered as this rank, launched by another launcher, is another job, caught at start-up.
+    A single-process job takes a run id of its own; a distributed one is refused, naming the
+    other job. Another rank of the same run is not another job, whatever launched it (srun,
+    mp.spawn and Lightning start each rank as its own process)."""
     from rankscope.contract.rundir import Registration, process_start_ticks, run_slug
     from rankscope.publishing.startup import claim_run
 
@@ -94,10 +96,12 @@ def test_a_second_live_job_on_a_run_id_in_use_is_caught(tmp_path, caplog):
         with caplog.at_level("WARNING", logger="rankscope"):
             own = claim_run(alone, tmp_path)
         assert own.run == f"shared-{os.getpid()}" and f"pid {other.pid}" in caplog.text
-        distributed = RankIdentity.from_env(env={"RANKSCOPE_RUN": "shared", "RANK": "1", "WORLD_SIZE": "2"})
+        distributed = RankIdentity.from_env(env={"RANKSCOPE_RUN": "shared", "RANK": "0", "WORLD_SIZE": "2"})
         with pytest.raises(ConfigError, match=rf"run 'shared' on node .* still running \(its rank 0 is pid "
                                               rf"{other.pid}.*RANKSCOPE_RUN"):
             claim_run(distributed, tmp_path)
+        peer = RankIdentity.from_env(env={"RANKSCOPE_RUN": "shared", "RANK": "1", "WORLD_SIZE": "2"})
+        assert claim_run(peer, tmp_path).run == "shared"   # the same job's other rank
         assert claim_run(RankIdentity.from_env(env={"RANKSCOPE_RUN": "another"}), tmp_path).run == "another"
     finally:
         other.kill()

@@ -2,7 +2,7 @@
 
 Each test builds a real Monitor (metric files in tmp_path, no exporter) and
 reads back what a node exporter would: the rank's merged multiprocess files.
-The same cases run as real torchrun jobs in tests/test_loop_shapes.py.
+The same cases run as real torchrun jobs in tests/integration/test_loop_shapes.py.
 """
 
 from __future__ import annotations
@@ -376,7 +376,7 @@ def test_publishes_never_overlap(monitor):
 def test_a_cuda_anomaly_found_after_the_step_is_traced(tmp_path, monkeypatch):
     """On CUDA the loss is judged by the publisher once the device is done; a
     NaN found then is traced like one found on the training thread."""
-    from tests.test_tracing_unit import ATTR_ANOMALY, ATTR_STEP, ROOT_SPAN
+    from tests.unit.test_tracing_unit import ATTR_ANOMALY, ATTR_STEP, ROOT_SPAN
 
     for var in LAUNCH_VARS:
         monkeypatch.delenv(var, raising=False)

@@ -2,7 +2,7 @@
 
 What this proves:
 - (the committed JSON is exactly what grafana/generate.py produces: checked
-  with every generated file by tests/test_deploy.py, deploy/generate.py --check);
+  with every generated file by tests/unit/test_deploy.py, deploy/generate.py --check);
 - each dashboard loads into the Foundation SDK's typed models, and re-encoding
   the models gives the same JSON (nothing unknown or lost);
 - uids are stable and unique, panel ids unique, every panel has a unit and a
@@ -27,7 +27,7 @@ from rankscope.exporter.catalog import EXPORTER_METRICS
 from grafana import generate
 from rankscope.contract.catalog import RANK_METRICS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS_DIR = ROOT / "grafana" / "dashboards"
 PROVISIONING = ROOT / "grafana" / "provisioning"
 RULES_DIR = ROOT / "prometheus" / "rules"

@@ -1,5 +1,5 @@
 """tests/benchmarks/adapters.py runs end to end with tiny parameters (a smoke run, as
-tests/test_benchmarks_smoke.py does for the other benchmarks): both frameworks' 2-rank jobs,
+tests/integration/test_benchmarks_smoke.py does for the other benchmarks): both frameworks' 2-rank jobs,
 the table, and a final JSON line with a paired figure per rank. No timing is asserted."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_adapters_benchmark_quick():

@@ -256,7 +256,7 @@ def test_docs_show_the_peak_table():
     """docs/goodput.md shows exactly PEAK_FLOPS (regenerate it: .venv/bin/python deploy/generate.py)."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "goodput.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "goodput.md").read_text()
     block = text.split("<!-- peak-flops:start -->\n", 1)[1].split("\n<!-- peak-flops:end -->", 1)[0]
     assert block == flops.peak_table_markdown()
     for variable in flops.ENV_VARIABLES:

@@ -34,9 +34,9 @@ from prometheus import generate
 from tests.helpers.paging import alertmanager_config
 from tests.helpers.promstack import AlertmanagerServer, PrometheusServer, WebhookReceiver, firing_alerts, poll
 from tests.scale.vmstack import VictoriaMetricsServer, VMAgent, VMAlert
-from tests.test_dashboard_queries import DASHBOARDS, all_targets, interpolate
+from tests.integration.test_dashboard_queries import DASHBOARDS, all_targets, interpolate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FAST_OVERRIDE = ROOT / "prometheus" / "fast.yaml"
 NODES = 4
 MEMBERS = 2

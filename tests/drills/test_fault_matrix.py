@@ -16,7 +16,7 @@ loss noise, a 10-second evaluation every 2 minutes, a 20-second checkpoint, a
 restart from a checkpoint) delivers nothing at all at the production
 thresholds (the shipped rules, scraped and evaluated every 15 s), beside the
 faults. Its 2-minute version at the fast thresholds is in the regular suite
-(tests/test_healthy_run.py).
+(tests/drills/test_healthy_run.py).
 
 Fault time: the first exporter poll that shows the faulty rank at the step
 before the fault (or the moment the test acts: SIGSTOP, SIGKILL). Page time:
@@ -50,7 +50,7 @@ from tests.helpers.promstack import AlertmanagerServer, Delivery, PrometheusServ
 # Not in the full run (`bash tests/run.sh`): about 12 minutes on 2 cores.
 pytestmark = [pytest.mark.matrix, pytest.mark.timeout(1800)]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ALERTING_DOC = ROOT / "docs" / "alerting.md"
 MATRIX_START, MATRIX_END = "<!-- fault-matrix:start -->", "<!-- fault-matrix:end -->"
 

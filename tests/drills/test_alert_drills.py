@@ -37,7 +37,7 @@ from tests.helpers.jobs import TrainJob
 from tests.helpers.promstack import (AlertmanagerServer, Delivery, PrometheusServer, WebhookReceiver,
                                      firing_alerts, poll)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ALERTMANAGER_YML = ROOT / "prometheus" / "alertmanager.yml"
 FAST_OVERRIDE = ROOT / "prometheus" / "fast.yaml"
 
