@@ -2,9 +2,9 @@
 # The test suite on a fresh machine: Debian's Prometheus/Alertmanager (when
 # missing and we are root), the project with its dev extras, then pytest.
 #
-#   bash tests/run.sh [PYTEST ARGS]          # everything (what .ci/run runs)
-#   bash tests/run.sh --fast [PYTEST ARGS]   # the fast tier: unit and static tests, pytest -m "not integration"
-#   bash tests/run.sh --matrix [PYTEST ARGS] # the fault matrix only (~10 min; not part of the full run)
+#   bash tests/run.sh [PYTEST ARGS]          # every tier but the fault matrix (what .ci/run runs)
+#   bash tests/run.sh --fast [PYTEST ARGS]   # the fast tier, tests/unit (pytest -m "not integration" is the same)
+#   bash tests/run.sh --matrix [PYTEST ARGS] # the fault matrix only (tests/drills; ~10 min; not in the full run)
 #
 # Both tiers need promtool and amtool (the fast tier's static rule and routing
 # checks), so both install the Debian packages. Other arguments go to pytest.

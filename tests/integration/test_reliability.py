@@ -267,7 +267,7 @@ def test_full_filesystem_training_continues(tmp_path: Path):
     keeps training (steps rise by 200+ after the first failure, and the
     process is alive), the failures are counted in
     rankscope_telemetry_errors_total{component="user"}, and the log line
-    appears once, not once per step. Before the fix in training/mmapfile.py
+    appears once, not once per step. Before the fix in training/publishing/mmapfile.py
     this rank died of SIGBUS."""
     mount = tmp_path / "shm"
     mounted = os.geteuid() == 0 and _tmpfs(mount, "4m")

@@ -58,7 +58,7 @@ class RankDevice:
         self.name = ""                   # the GPU's name (torch reads NVML's), for the peak-FLOPS table
         self.sm_count = 0                # its streaming multiprocessors (a MIG slice has fewer)
         self.events: EventPool | None = None
-        self.reads: Any = None           # device_reads.DeviceReads once bound
+        self.reads: DeviceReads | None = None   # once bound
         self._stream: Callable[[Any], Any] = lambda device: None
         self._warned = False
 
