@@ -416,3 +416,14 @@ def test_span_process_start_failure_is_reported_and_counted(tmp_path, monkeypatc
     tracing.submit(record(0))
     tracing.shutdown(1.0)
     assert tracing.dropped() == count_spans(record(0))
+
+
+def test_the_span_process_starts_without_a_word_on_the_ranks_console():
+    """The child shares the rank's stderr: ``python -m rankscope.tracing.span_process`` must not
+    be imported by its own package before it runs (runpy then warns on every rank's console)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "rankscope.tracing.span_process"], input=b"",
+                          capture_output=True, timeout=60)
+    assert proc.stderr.decode() == "", proc.stderr.decode()   # (no start message: it exits at once)

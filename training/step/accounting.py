@@ -108,10 +108,10 @@ class StepAccounting:
         while entries:
             try:
                 entry = entries.popleft()
-                if type(entry) is StepEnded:
-                    self._absorb_step(entry, to_unix)
-                else:
+                if type(entry) is IntervalEnded:
                     self._absorb_interval(entry)
+                else:
+                    self._absorb_step(StepEnded._make(entry), to_unix)
             except Exception:
                 self._errors.error("step")
             if time.perf_counter() > slice_end and entries:

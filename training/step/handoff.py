@@ -1,7 +1,8 @@
 """The training thread's side of the step path: each finished step is handed over as it is.
 
-When a step ends, the training thread appends one ``StepEnded`` record to a
-deque: no lock, no reading of values, no judging (the publisher does all that,
+When a step ends, the training thread appends one record laid out as
+``StepEnded`` to a deque (a plain tuple: the cheapest thing to build): no lock,
+no reading of values, no judging (the publisher does all that,
 ``rankscope.step.accounting``). Right after a step's tensor work every line of
 Python runs cache-cold, several times slower than usual (docs/performance.md),
 so the less the training thread runs, the less the telemetry costs the step.
@@ -37,7 +38,6 @@ from rankscope.step.trace_feed import TraceFeed
 MAX_PENDING_STEPS = 10_000   # finished steps buffered between two publishes
 OOM_PUBLISH_WAIT_S = 1.0     # how long the training thread waits for the publish an OOM asks for
 
-_new_tuple = tuple.__new__   # StepEnded built positionally: a C call, the cheapest way (see StepEnded)
 
 
 class PublishNow:
@@ -95,7 +95,9 @@ class StepHandoff:
         self._device = device
         self._errors = errors
         self._trace_feed = trace_feed
-        self.entries: deque[StepEnded | IntervalEnded] = deque()   # taken by the publisher, oldest first
+        # Taken by the publisher, oldest first: IntervalEnded records, and finished steps as plain
+        # tuples laid out as StepEnded.
+        self.entries: deque[tuple | IntervalEnded] = deque()
         self.publish_now = PublishNow()
         self.steps_seen = 0          # completed steps handed over (read by rank_info)
         self.ooms = 0                # out-of-memory errors inside steps, cumulative (the publisher takes deltas)
@@ -116,17 +118,20 @@ class StepHandoff:
             if comm.mode != "off":
                 exposed = self._exposed_wait(comm, s)
                 comm.step_ended()
-            if self._device.events is not None or self._binds_device(loss, grad, lr):
+            if self._device.events is not None or (
+                    (loss is not None and type(loss) is not float or grad is not None and type(grad) is not float
+                     or lr is not None and type(lr) is not float) and self._binds_device(loss, grad, lr)):
                 on_device = True
                 loss, grad, lr = self._defer_to_device(s, t1, comm)
         except Exception:
             self._errors.error("step")
         self.steps_seen += 1   # after the device is bound: rank_info waits for this (rankscope.publishing.startup)
-        ended = _new_tuple(StepEnded, (
-            s.number, s.numbered, s.t0, t1, s.samples, s.tokens, s.data_unlogged, s.phase_log, exposed,
-            loss, None if loss is None or type(loss) is float else getattr(loss, "_version", None),
-            grad, None if grad is None or type(grad) is float else getattr(grad, "_version", None), lr,
-            on_device))
+        # A plain tuple laid out as StepEnded (the publisher reads it as one): the cheapest thing to
+        # build here, where every line runs cache-cold.
+        ended = (s.number, s.numbered, s.t0, t1, s.samples, s.tokens, s.data_unlogged, s.phase_log, exposed,
+                 loss, None if loss is None or type(loss) is float else getattr(loss, "_version", None),
+                 grad, None if grad is None or type(grad) is float else getattr(grad, "_version", None), lr,
+                 on_device)
         if len(self.entries) < MAX_PENDING_STEPS:
             self.entries.append(ended)
         else:
@@ -185,8 +190,9 @@ class StepHandoff:
         reads.defer_value(what, number, context)
         return None
 
-    def _overflowed(self, ended: StepEnded) -> None:
+    def _overflowed(self, ended: tuple) -> None:
         """The publisher is far behind: count the step here, without its details."""
+        ended = StepEnded._make(ended)
         with self._overflow_lock:
             o = self._overflow
             o.steps += 1

@@ -20,9 +20,9 @@ from rankscope.collectives.tracker import CollectiveRecord
 class StepEnded(NamedTuple):
     """A finished step, as the training thread hands it over: what it has, nothing read yet.
 
-    The training thread builds it with ``tuple.__new__(StepEnded, (...))``, positionally:
-    the cheapest way to build a tuple in Python, right after a step, when every line runs
-    cache-cold (docs/performance.md)."""
+    The training thread builds a plain tuple in this layout (a tuple display is the cheapest
+    thing Python builds, and right after a step every line runs cache-cold: docs/performance.md);
+    the publisher reads it as a ``StepEnded`` (``StepEnded._make``)."""
 
     number: int
     numbered: bool              # the loop gave the number (step=...): a relaunch's repeats are known

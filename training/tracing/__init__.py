@@ -16,7 +16,6 @@ from typing import Callable, Mapping
 
 from rankscope.identity import RankIdentity
 from rankscope.tracing.api import Tracing, TracingConfig
-from rankscope.tracing.span_process import SpanProcessTracing
 
 __all__ = ["Tracing", "TracingConfig", "build_tracing"]
 
@@ -31,4 +30,8 @@ def build_tracing(identity: RankIdentity, on_error: Callable[[], None],
     config = TracingConfig.from_env(env)
     if config is None:
         return Tracing()
+    # Imported here, not with the package: the span process runs ``python -m
+    # rankscope.tracing.span_process``, which must not be imported before it runs as __main__.
+    from rankscope.tracing.span_process import SpanProcessTracing
+
     return SpanProcessTracing(identity, config, on_error, env)
