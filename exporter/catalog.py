@@ -80,6 +80,12 @@ EXPORTER_METRICS: tuple[MetricSpec, ...] = (
     _rank("rankscope_heartbeat_age_seconds", "gauge", "Seconds since the rank's last heartbeat."),
     _rank("rankscope_rank_failure_info", "gauge",
           "1 for a rank whose monitor ended on an exception, labelled with the exception's type.", ("exception",)),
+    _rank("rankscope_rank_failed_timestamp_seconds", "gauge",
+          "When the rank's monitor ended on an exception (unix seconds): the earliest of a run is its first failure.",
+          ("exception",)),
+    _rank("rankscope_evidence_captured_timestamp_seconds", "gauge",
+          "When the exporter last captured evidence of the rank (stacks, collectives, process, device, traceback), "
+          "served at scheme://<this exporter>path; trigger says what it saw.", ("trigger", "scheme", "path")),
     _rank("rankscope_collective_in_flight_seconds", "gauge",
           "Seconds the collective now in flight has been running; 0 when none is.", ("op",)),
     # per node and run, only with --rank-histograms node-buckets

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "series per rank), node-buckets (sum-count plus buckets summed per node and run, as "
                    f"rankscope_node_*); docs/scaling.md {default('rank_histograms')}")
     p.add_argument("--no-nvml", action="store_true", help="do not read GPUs through NVML")
+    p.add_argument("--no-evidence", action="store_true", help="capture no evidence of ranks that stop making "
+                   "progress (stacks, collectives, process and device state, tracebacks; docs/runbook.md)")
+    p.add_argument("--evidence-max-episodes", type=int,
+                   help=f"evidence captures kept per run {default('evidence_max_episodes')}")
     p.add_argument("--web-config", type=Path, help="exporter-toolkit web configuration file (TLS, basic auth)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -76,7 +80,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         env, directory=args.dir, addr=args.addr, port=args.port, node=args.node,
         stuck_after_s=args.stuck_after, frozen_after_s=args.frozen_after, suspect_after_s=args.suspect_after,
         retention_s=args.retention, compact_after_s=args.compact_after, exit_when_idle_s=args.exit_when_idle,
-        rank_histograms=args.rank_histograms, nvml=False if args.no_nvml else None, web_config=args.web_config)
+        rank_histograms=args.rank_histograms, nvml=False if args.no_nvml else None, web_config=args.web_config,
+        evidence=False if args.no_evidence else None, evidence_max_episodes=args.evidence_max_episodes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(collector)
         scrape_lock = threading.Lock()
-        app = make_app(cfg, registry, scrape_lock, web)
+        app = make_app(cfg, registry, scrape_lock, web, collector.evidence)
     except ConfigError as e:
         print(f"rankscope-exporter: error: {e}", file=sys.stderr)
         return 2
@@ -159,6 +164,7 @@ def _janitor(server, cfg: ExporterConfig, ranks: RankCollector, scrape_lock: thr
         try:
             if cfg.exit_when_idle_s and _any_rank_alive(ranks):
                 last_alive = now
+            ranks.watch(now)   # evidence of a rank that stopped making progress (rankscope.exporter.evidence)
             _remove_expired_runs(cfg, ranks, scrape_lock, now)
             for run_dir, done in compactor.compact_runs(ranks.run_dirs(), scrape_lock, now).items():
                 if done.aborted:

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from rankscope.exporter import __version__
 from rankscope.exporter.catalog import BY_NAME, RANK_STATES
 from rankscope.exporter.config import ExporterConfig
+from rankscope.exporter.evidence import EvidenceKeeper
 from rankscope.exporter.nvml import NvmlCollector
 from rankscope.exporter.ranks import RankCollector
 
@@ -28,6 +29,7 @@ log = logging.getLogger("rankscope.exporter")
 COLLECTORS: dict[str, Callable[[ExporterConfig], Collector | None]] = {
     "ranks": RankCollector,
     "nvml": lambda cfg: NvmlCollector(cfg.node) if cfg.nvml else None,
+    "evidence": lambda cfg: EvidenceKeeper(cfg) if cfg.evidence else None,
 }
 
 
@@ -40,6 +42,9 @@ class NodeCollector(Collector):
                  for name, make in COLLECTORS.items()}
         self.collectors: dict[str, Collector] = {name: c for name, c in built.items() if c is not None}
         self.ranks: RankCollector = self.collectors["ranks"]   # the exporter's reason to be: always on
+        self.evidence: EvidenceKeeper | None = self.collectors.get("evidence")
+        if self.evidence is not None:   # it reads the ranks' states and GPUs; its captures refine the states
+            self.ranks.evidence, self.evidence.gpu = self.evidence, self.nvml
         self._logged: set[str] = set()
 
     @property

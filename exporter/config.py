@@ -51,6 +51,11 @@ class ExporterConfig:
     """full: every bucket of every rank; sum-count: each per-rank histogram as its _sum and _count only;
     node-buckets: sum-count plus the buckets summed over the node's ranks (rankscope_node_*)."""
     nvml: bool = setting(default=True, option="--no-nvml")
+    evidence: bool = setting(default=True, option="--no-evidence")
+    """Capture evidence of a rank that stops making progress (rankscope.exporter.evidence)."""
+    evidence_max_episodes: int = setting(default=16, env="RANKSCOPE_EVIDENCE_MAX_EPISODES",
+                                         option="--evidence-max-episodes")
+    """Evidence captures kept per run (one per episode of a rank)."""
     web_config: Path | None = setting(default=None, option="--web-config")
     """exporter-toolkit web configuration file (TLS, basic auth)."""
 
@@ -62,6 +67,8 @@ class ExporterConfig:
                 raise ExporterConfigError(f"must be > 0, got {getattr(self, name)!r}", field=name)
         if not self.compact_after_s >= 0:
             raise ExporterConfigError(f"must be >= 0, got {self.compact_after_s!r}", field="compact_after_s")
+        if self.evidence_max_episodes < 0:
+            raise ExporterConfigError(f"must be >= 0, got {self.evidence_max_episodes!r}", field="evidence_max_episodes")
         if not self.exit_when_idle_s >= 0:
             raise ExporterConfigError(f"must be >= 0, got {self.exit_when_idle_s!r}", field="exit_when_idle_s")
         if self.rank_histograms not in RANK_HISTOGRAM_MODES:

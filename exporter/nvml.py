@@ -86,6 +86,16 @@ class NvmlCollector:
             self._xid_counts[index] = self._xid_counts.get(index, 0) + 1
             self._last_xid[index] = int(data.eventData)
 
+    def snapshot(self, uuid: str) -> dict:
+        """The GPU ``uuid`` now: utilisation, clocks, power, temperature, throttle reasons, ECC, Xid, memory."""
+        nvml = self.nvml
+        self._drain_xids()
+        for i, h in enumerate(self._handles):
+            if _str(_try(lambda: nvml.nvmlDeviceGetUUID(h)) or "") == uuid:
+                return {"uuid": uuid, "gpu": i, **_snapshot(nvml, h), "xid_errors": self._xid_counts.get(i, 0),
+                        "last_xid": self._last_xid.get(i, 0)}
+        return {"uuid": uuid, "error": "no GPU of this node has this UUID"}
+
     def collect(self) -> Iterator[Metric]:
         if not self.available:
             return
@@ -129,6 +139,36 @@ class NvmlCollector:
             fam["rankscope_gpu_xid_errors_total"].add_metric(labels, float(self._xid_counts.get(i, 0)))
             fam["rankscope_gpu_last_xid"].add_metric(labels, float(self._last_xid.get(i, 0)))
         yield from fam.values()
+
+
+def _snapshot(nvml: Any, h: Any) -> dict:
+    """One GPU's state now, for an evidence capture (rankscope.exporter.evidence)."""
+    out: dict[str, Any] = {}
+    util = _try(lambda: nvml.nvmlDeviceGetUtilizationRates(h))
+    if util is not None:
+        out["utilization_ratio"], out["memory_utilization_ratio"] = util.gpu / 100.0, util.memory / 100.0
+    mem = _try(lambda: nvml.nvmlDeviceGetMemoryInfo(h))
+    if mem is not None:
+        out["memory_used_bytes"], out["memory_total_bytes"] = float(mem.used), float(mem.total)
+    for key, fn, scale in (("sm_clock_hertz", lambda: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM), 1e6),
+                           ("memory_clock_hertz", lambda: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_MEM), 1e6),
+                           ("power_watts", lambda: nvml.nvmlDeviceGetPowerUsage(h), 1e-3),
+                           ("temperature_celsius",
+                            lambda: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU), 1.0)):
+        value = _try(fn)
+        if value is not None:
+            out[key] = float(value) * scale
+    reasons = _try(lambda: nvml.nvmlDeviceGetCurrentClocksEventReasons(h))
+    if reasons is None:
+        reasons = _try(lambda: nvml.nvmlDeviceGetCurrentClocksThrottleReasons(h))
+    if reasons is not None:
+        out["throttle_reasons"] = [reason for reason, bit in _THROTTLE_BITS.items() if reasons & bit]
+    for kind, err_type in (("corrected", nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+                           ("uncorrected", nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)):
+        count = _try(lambda: nvml.nvmlDeviceGetTotalEccErrors(h, err_type, nvml.NVML_VOLATILE_ECC))
+        if count is not None:
+            out[f"ecc_{kind}"] = float(count)
+    return out
 
 
 def _try(fn: Callable[[], Any]) -> Any:

@@ -27,6 +27,7 @@ from rankscope.exporter.catalog import BY_NAME as EXPORTER_SPECS
 from rankscope.exporter.catalog import RANK_STATES
 from rankscope.exporter.cardinality import reduce_histograms
 from rankscope.exporter.config import ExporterConfig
+from rankscope.exporter.evidence import EvidenceKeeper
 from rankscope.exporter.reader import MergedFamily, Reader
 from rankscope.contract.catalog import COLLECTIVE_OPS, EAGER_COLLECTIVE_OPS, IDENTITY_LABELS
 from rankscope.contract.rundir import (RANKS_SUBDIR, Registration, db_file_pid, latest_per_rank,
@@ -45,6 +46,9 @@ class RankView:
     ops: list[str] = field(default_factory=lambda: list(EAGER_COLLECTIVE_OPS))   # ops the rank has used
     state: str = "starting"
     suspect: bool = False
+    # Counted in a collective, but evidence of this stall found its training thread in the job's
+    # own code (rankscope.exporter.evidence): not waiting in the collective.
+    outside_collective: bool = False
 
 
 def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> None:
@@ -58,12 +62,12 @@ def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> Non
         elif process_state(v.reg.pid) == "T" or (v.heartbeat and now - v.heartbeat > cfg.frozen_after_s):
             v.state = "frozen"
         elif stalled > cfg.stuck_after_s:
-            v.state = "stuck_in_collective" if v.in_flight else "stuck"
+            v.state = "stuck_in_collective" if v.in_flight and not v.outside_collective else "stuck"
         elif not v.last_step:
             v.state = "starting"
         else:
             v.state = "progressing"
-    waiting = [v for v in views if v.alive and v.in_flight
+    waiting = [v for v in views if v.alive and v.in_flight and not v.outside_collective
                and now - min(v.in_flight.values()) > cfg.suspect_after_s]
     if not waiting:
         return
@@ -71,19 +75,36 @@ def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> Non
         stalled = now - (v.last_step or v.reg.started_at)
         if v.state in ("dead", "finished"):
             continue
-        outside = not v.in_flight or v.state == "frozen"
+        outside = not v.in_flight or v.state == "frozen" or v.outside_collective
         v.suspect = outside and stalled > cfg.suspect_after_s
 
 
 class RankCollector:
     """A prometheus_client collector over every run directory under ``cfg.directory``."""
 
-    def __init__(self, cfg: ExporterConfig):
+    def __init__(self, cfg: ExporterConfig, evidence: EvidenceKeeper | None = None):
         self.cfg = cfg
+        self.evidence = evidence   # what it captured refines the states (a thread in its own code)
         self.state_counts: dict[str, int] = dict.fromkeys(RANK_STATES, 0)
         self.reader = Reader()
         # The scrape and the janitor (expired_run_dirs) share the reader's caches.
         self._lock = threading.Lock()
+
+    def watch(self, now: float) -> None:
+        """The janitor's look at the ranks, between scrapes: each run with a live process, or a
+        rank that failed, is read as a scrape reads it, and what its ranks do goes to the
+        evidence keeper (which captures, on its own thread, what a stalled rank shows)."""
+        if self.evidence is None:
+            return
+        run_dirs = self.run_dirs()
+        self.evidence.forget(run_dirs)
+        for run_dir in run_dirs:
+            registrations = load_registrations(run_dir)
+            if not any(reg.process_alive() or (reg.failed_at and now - reg.failed_at < self.cfg.retention_s)
+                       for reg in registrations):
+                continue
+            views, merged = self._collect_run(run_dir, now)
+            self.evidence.observe(run_dir, views, _process_groups(merged), now)
 
     def run_dirs(self) -> list[Path]:
         return sorted(p.parent for p in self.cfg.directory.glob(f"*/{RANKS_SUBDIR}") if p.is_dir())
@@ -147,6 +168,8 @@ class RankCollector:
                                                 now) or now
             if not v.alive:
                 v.in_flight.clear()
+            if self.evidence is not None and v.in_flight:
+                v.outside_collective = self.evidence.outside_collective(run_dir, reg)
             views.append(v)
         derive_states(views, self.cfg, now)
         # Older processes of a restarted rank keep their counters (summed by the
@@ -158,6 +181,26 @@ class RankCollector:
                 else:
                     metric.samples = [s for s in metric.samples if s.labels.get("process_id") in latest_pids]
         return views, merged
+
+
+def _process_groups(merged: Iterable[Metric]) -> dict[str, list[dict]]:
+    """rank -> its process groups' last enqueued and completed sequence numbers (for evidence)."""
+    names = {"rankscope_process_group_last_enqueued_seq": "enqueued",
+             "rankscope_process_group_last_completed_seq": "completed"}
+    groups: dict[tuple[str, str, str], dict] = {}
+    for metric in merged:
+        if metric.name not in names:
+            continue
+        samples = ((dict(labels), value) for _, labels, value in metric.items()) if isinstance(metric, MergedFamily) \
+            else ((s.labels, s.value) for s in metric.samples)
+        for labels, value in samples:
+            key = (labels.get("rank", ""), labels.get("group", ""), labels.get("group_id", ""))
+            entry = groups.setdefault(key, {"group": key[1], "group_id": key[2]})
+            entry[names[metric.name]] = int(value)
+    out: dict[str, list[dict]] = {}
+    for (rank, _, _), entry in sorted(groups.items()):
+        out.setdefault(rank, []).append(entry)
+    return out
 
 
 def _last_seen(v: RankView) -> float:
@@ -192,7 +235,8 @@ def _index(merged: Iterable[Metric]) -> dict[tuple, float]:
 def _derived_families() -> dict[str, GaugeMetricFamily]:
     names = ("rankscope_rank_up", "rankscope_rank_state", "rankscope_hang_suspect",
              "rankscope_step_stalled_seconds", "rankscope_heartbeat_age_seconds",
-             "rankscope_collective_in_flight_seconds", "rankscope_rank_failure_info")
+             "rankscope_collective_in_flight_seconds", "rankscope_rank_failure_info",
+             "rankscope_rank_failed_timestamp_seconds")
     return {n: GaugeMetricFamily(n, EXPORTER_SPECS[n].help, labels=EXPORTER_SPECS[n].label_names) for n in names}
 
 
@@ -204,6 +248,8 @@ def _add_view(families: dict[str, GaugeMetricFamily], v: RankView, now: float) -
     families["rankscope_hang_suspect"].add_metric(ident, 1.0 if v.suspect else 0.0)
     if v.reg.exception:
         families["rankscope_rank_failure_info"].add_metric(ident + [v.reg.exception], 1.0)
+        if v.reg.failed_at:
+            families["rankscope_rank_failed_timestamp_seconds"].add_metric(ident + [v.reg.exception], v.reg.failed_at)
     if v.state in ("dead", "finished"):
         return
     families["rankscope_step_stalled_seconds"].add_metric(ident, max(now - (v.last_step or v.reg.started_at), 0.0))

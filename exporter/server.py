@@ -1,6 +1,8 @@
 """HTTP serving: a small WSGI application on prometheus_client's threading server.
 
-Routes: /metrics (Prometheus text or OpenMetrics, negotiated), /healthz (a
+Routes: /metrics (Prometheus text or OpenMetrics, negotiated), /evidence (the
+evidence captured of ranks that stopped making progress: an index in JSON, a
+rank's capture as HTML or JSON; rankscope.exporter.evidence), /healthz (a
 JSON document that also lets a starting job recognise its node's exporter),
 and / (a landing page).
 
@@ -31,13 +33,15 @@ import os
 import socket
 import threading
 import time
-from typing import Callable, Iterable
+import urllib.parse
+from typing import Any, Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from rankscope.exporter import __version__
+from rankscope.exporter.evidence import EvidenceKeeper, render_html
 from rankscope.exporter.config import ExporterConfig
 from rankscope.exporter.exposition import make_metrics_app
 from rankscope.exporter.webconfig import WebConfig
@@ -163,7 +167,7 @@ class _SharedCollection:
 
 
 def make_app(cfg: ExporterConfig, registry: CollectorRegistry, lock: threading.Lock | None = None,
-             web: WebConfig | None = None):
+             web: WebConfig | None = None, evidence: EvidenceKeeper | None = None):
     started = {"pid": os.getpid(), "service": "rankscope-exporter", "version": __version__,
                "directory": str(cfg.directory), "node": cfg.node, "uid": os.getuid()}
     # prometheus_client's make_wsgi_app, rendering from cached series prefixes (exposition.py).
@@ -184,19 +188,57 @@ def make_app(cfg: ExporterConfig, registry: CollectorRegistry, lock: threading.L
         path = environ.get("PATH_INFO", "/")
         if path == "/metrics":
             return metrics(environ, respond)
+        if path == "/evidence" or path.startswith("/evidence/"):
+            return _evidence(evidence, path, environ.get("QUERY_STRING", ""), respond)
         if path in ("/healthz", "/-/healthy", "/-/ready"):
             body = json.dumps(started).encode()
             respond("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
         if path == "/":
             body = (b"<html><head><title>rankscope exporter</title></head><body><h1>rankscope exporter</h1>"
-                    b"<p><a href='/metrics'>/metrics</a> <a href='/healthz'>/healthz</a></p></body></html>")
+                    b"<p><a href='/metrics'>/metrics</a> <a href='/evidence'>/evidence</a> "
+                    b"<a href='/healthz'>/healthz</a></p></body></html>")
             respond("200 OK", [("Content-Type", "text/html"), ("Content-Length", str(len(body)))])
             return [body]
         respond("404 Not Found", [("Content-Type", "text/plain")])
         return [b"not found\n"]
 
     return app
+
+
+def _evidence(keeper: EvidenceKeeper | None, path: str, query: str, respond) -> list[bytes]:
+    """/evidence: the captures kept (JSON); /evidence/<run dir>/<rank>: a rank's newest capture,
+    HTML for a person, JSON with ?format=json (&episode=N for an earlier one)."""
+    params = urllib.parse.parse_qs(query)
+    if keeper is None:
+        return _plain(respond, "404 Not Found", b"evidence capture is off (--no-evidence)\n")
+    parts = [p for p in path.split("/") if p][1:]
+    if not parts:
+        index = [{k: c.get(k) for k in ("run", "run_dir", "rank", "node", "episode", "trigger", "captured_at", "path")}
+                 for c in keeper.captures()]
+        return _json(respond, index)
+    if len(parts) != 2 or not parts[1].isdigit():
+        return _plain(respond, "404 Not Found", b"not found: /evidence/<run directory>/<rank>\n")
+    episode = params.get("episode", [None])[0]
+    capture = keeper.find(parts[0], int(parts[1]), int(episode) if episode and episode.isdigit() else None)
+    if capture is None:
+        return _plain(respond, "404 Not Found", b"no evidence of that rank\n")
+    if params.get("format", [""])[0] == "json":
+        return _json(respond, capture)
+    body = render_html(capture).encode()
+    respond("200 OK", [("Content-Type", "text/html; charset=utf-8"), ("Content-Length", str(len(body)))])
+    return [body]
+
+
+def _json(respond, doc: Any) -> list[bytes]:
+    body = json.dumps(doc).encode()
+    respond("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+    return [body]
+
+
+def _plain(respond, status: str, body: bytes) -> list[bytes]:
+    respond(status, [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
+    return [body]
 
 
 def serve(cfg: ExporterConfig, app, web: WebConfig | None = None) -> ExporterServer:

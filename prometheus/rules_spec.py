@@ -34,6 +34,25 @@ class Alert:
     description: str
 
 
+# Where the exporter keeps what it captured of the alert's rank when it stopped making progress
+# (its stacks, collectives, process and device state, traceback: rankscope.exporter.evidence),
+# as a link a person opens from the page; nothing where nothing was captured.
+EVIDENCE = ("{{ with printf `rankscope_evidence_captured_timestamp_seconds{SEL,run=\"%s\",rank=\"%s\"}` "
+            "$labels.run $labels.rank | query }}{{ range . }} Evidence of this rank (its stacks, collectives, process "
+            "and device state): {{ .Labels.scheme }}://{{ .Labels.instance }}{{ .Labels.path }}{{ end }}{{ end }}")
+# The same for the other ranks of the run, where the alert's own node is gone.
+RUN_EVIDENCE = ("{{ with printf `topk(4, rankscope_evidence_captured_timestamp_seconds{SEL,run=\"%s\"})` "
+                "$labels.run | query }} Evidence captured on the surviving nodes:{{ range . }} rank "
+                "{{ .Labels.rank }} ({{ .Labels.trigger }}): {{ .Labels.scheme }}://{{ .Labels.instance }}"
+                "{{ .Labels.path }}{{ end }}{{ end }}")
+# Which rank of the run raised first: the cause; the others are torn down by it.
+FIRST_FAILURE = ("{{ with printf `bottomk(1, rankscope_rank_failed_timestamp_seconds{SEL,run=\"%s\"})` "
+                 "$labels.run | query }}{{ range . }}{{ if eq .Labels.rank $labels.rank }} It is the run's first "
+                 "failure: the cause.{{ else }} It failed after rank {{ .Labels.rank }} on node {{ .Labels.node }} "
+                 "raised {{ .Labels.exception }}, the run's first failure: a consequence of it.{{ end }}{{ end }}"
+                 "{{ end }}")
+
+
 def new_events(metric: str, window: str, at_least: str = "1") -> str:
     """Events a counter gained in the window, exactly (no rate() extrapolation).
 
@@ -497,7 +516,8 @@ ALERTS: tuple[Alert, ...] = (
           "In " + WHO + " (local rank {{ $labels.local_rank }}), the rank process is gone without finishing"
           "{{ with printf `rankscope_rank_failure_info{SEL,run=\"%s\",rank=\"%s\"}` $labels.run $labels.rank "
           "| query }}{{ range . }}: it raised {{ .Labels.exception }}{{ end }}{{ else }}: it was killed or exited "
-          "without closing its monitor{{ end }}. Its peers will block in their next collective."),
+          "without closing its monitor{{ end }}. Its peers will block in their next collective." + FIRST_FAILURE
+          + EVIDENCE),
     Alert("RankscopeNodeLost",
           NODE_LOST,
           "critical",
@@ -508,7 +528,8 @@ ALERTS: tuple[Alert, ...] = (
           "| query | sortByLabel \"state\" }}{{ if $i }}, {{ end }}{{ $s.Value }} {{ $s.Labels.state }}{{ end }}). "
           "Lost with node {{ $labels.node }}: rank(s) "
           "{{ range $i, $s := printf `rank:rankscope_rank_up:lost{run=\"%s\",instance=\"%s\"}` $labels.run "
-          "$labels.instance | query | sortByLabel \"rank\" }}{{ if $i }}, {{ end }}{{ $s.Labels.rank }}{{ end }}."),
+          "$labels.instance | query | sortByLabel \"rank\" }}{{ if $i }}, {{ end }}{{ $s.Labels.rank }}{{ end }}."
+          + RUN_EVIDENCE),
     Alert("RankscopeHangSuspect",
           HANG_SUSPECT_RECORD,
           "critical",
@@ -517,7 +538,7 @@ ALERTS: tuple[Alert, ...] = (
           "while its peers wait in "
           "{{ with printf `topk(1, max by (op) (rankscope_collective_in_flight_seconds{SEL,run=\"%s\"}) > 0)` "
           "$labels.run | query }}{{ range . }}{{ .Labels.op }} (for {{ .Value | humanizeDuration }})"
-          "{{ end }}{{ else }}a collective{{ end }}. This rank is the likely culprit."),
+          "{{ end }}{{ else }}a collective{{ end }}. This rank is the likely culprit." + EVIDENCE),
     # The same hang located by sequence numbers, for every process group and
     # across nodes: FSDP, tensor parallel, pipeline and sub-group collectives,
     # which the rank-state suspect (HangSuspect: DDP and explicit collectives)
@@ -542,7 +563,7 @@ ALERTS: tuple[Alert, ...] = (
           "(for {{ .Value | humanizeDuration }}){{ end }}{{ else }}a collective{{ end }} up to "
           "{{ with printf `max(rankscope_process_group_last_enqueued_seq{SEL,run=\"%s\",group_id=\"%s\"})` "
           "$labels.run $labels.group_id | query }}seq {{ . | first | value }}{{ end }}. "
-          "This rank has not issued that collective: it is the likely culprit."),
+          "This rank has not issued that collective: it is the likely culprit." + EVIDENCE),
     # The victims of a dead, lost, hung or frozen rank stall too: the cause's own
     # alert pages for the run, this one only when no cause is known.
     Alert("RankscopeRunStalled",
@@ -553,13 +574,13 @@ ALERTS: tuple[Alert, ...] = (
           "In " + WHO + ", no step completed for {{ $value | humanizeDuration }}"
           "{{ with printf `rankscope_collective_in_flight_seconds{SEL,run=\"%s\",rank=\"%s\"} > 0` "
           "$labels.run $labels.rank | query }}{{ range . }}; it waits in {{ .Labels.op }} for "
-          "{{ .Value | humanizeDuration }}{{ end }}{{ else }}; it is in no collective{{ end }}."),
+          "{{ .Value | humanizeDuration }}{{ end }}{{ else }}; it is in no collective{{ end }}." + EVIDENCE),
     Alert("RankscopeRankFrozen",
           RANK_FROZEN_RECORD,
           "critical",
           "Rank {{ $labels.rank }} of run {{ $labels.run }} is frozen",
           "In " + WHO + ", the process is alive but its heartbeat stopped {{ $value | humanizeDuration }} ago: "
-          "the interpreter is stuck (GIL held in native code, SIGSTOP, D state)."),
+          "the interpreter is stuck (GIL held in native code, SIGSTOP, D state)." + EVIDENCE),
     # One alert per run that had live ranks behind the exporter (they are
     # invisible now), else one for the exporter itself.
     Alert("RankscopeTargetDown",

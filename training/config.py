@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from rankscope import sinks
+from rankscope.publishing import stacks
 from rankscope.contract import environment
 from rankscope.contract.catalog import MAX_PROCESS_GROUPS_DEFAULT
 from rankscope.contract.environment import DEFAULT_ADDR, DEFAULT_PORT, ConfigError
@@ -67,6 +68,9 @@ class MonitorConfig:
     """Other nodes' exporters (host:port,host:port) the sink reads besides this node's."""
     max_process_groups: int = MAX_PROCESS_GROUPS_DEFAULT
     """Process groups per rank whose collectives are read from torch's flight recorder; 0 turns the reading off."""
+    stack_signal: str = "SIGRTMIN+9"
+    """The signal the node exporter sends for this rank's stacks (rankscope.publishing.stacks): a name
+    (SIGUSR2, SIGRTMIN+9) or number, or off."""
     collective_timing: bool = False
     """Turn on each process group's own collective timing (NCCL: device durations in the flight recorder;
     docs/collectives.md)."""
@@ -88,6 +92,7 @@ class MonitorConfig:
             raise ConfigError(f"loss_ema_alpha: must be in (0, 1], got {self.loss_ema_alpha}")
         if self.loss_window < 2:
             raise ConfigError(f"loss_window: must be >= 2, got {self.loss_window}")
+        stacks.parse_signal(self.stack_signal)
         if self.max_process_groups < 0:
             raise ConfigError(f"must be >= 0 (0 turns the reading off), got {self.max_process_groups}",
                               field="max_process_groups")

@@ -57,6 +57,7 @@ from rankscope.flops import FlopsConfig
 from rankscope.identity import RankIdentity
 from rankscope.publishing.metrics import RankMetrics
 from rankscope.publishing.publisher import Publisher
+from rankscope.publishing.stacks import StackDumps, parse_signal
 from rankscope.publishing.startup import RankInfo, claim_run, prepare_run_dir
 from rankscope.publishing.user_metrics import UserMetric, UserMetrics
 from rankscope.step.accounting import StepAccounting
@@ -96,6 +97,9 @@ class Monitor:
     def _start(self, backend: str | None, device: Any) -> None:
         cfg = self.config
         self.registration = prepare_run_dir(self.run_dir, self.identity)
+        # The stacks the node exporter may ask for when this rank stops making progress.
+        self.stacks = StackDumps(self.run_dir, self.registration, parse_signal(cfg.stack_signal))
+        self.stacks.start()
         self._progress = Progress(self.run_dir, self.identity.rank)
         try:
             self.metrics = RankMetrics(self.run_dir, self.identity.labels)
@@ -134,7 +138,7 @@ class Monitor:
         self.publisher = Publisher(self.metrics, self.handoff, self.accounting, self.tracker, self.device, memory,
                                    self.tracing, self.errors,
                                    FlightRecorder(self.run_dir, self.identity.rank, cfg.flight_recorder_after_s, ring),
-                                   rank_info, self.flops, cfg.publish_interval_s, cfg.memory_every_s)
+                                   rank_info, self.stacks, self.flops, cfg.publish_interval_s, cfg.memory_every_s)
         self._rank_info = rank_info
         self.process_groups = _process_group_reader(self, ring)
         self.metrics.start_ts.set(self.registration.started_at)
@@ -290,15 +294,15 @@ class Monitor:
     def close(self) -> None:
         """Publish what is left and stop. The rank is ``finished`` only if no
         exception is on its way (see rankscope.exit_status); else ``failed``."""
-        self._end(exit_status.failure())
+        self._end(exit_status.ending_exception())
 
     def __enter__(self) -> "Monitor":
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        self._end(exit_status.failure(exc))
+        self._end(exit_status.ending_exception(exc))
 
-    def _end(self, failure: str) -> None:
+    def _end(self, ending: BaseException | None) -> None:
         if self._closed:
             return
         self._closed = True
@@ -314,8 +318,9 @@ class Monitor:
                 self.process_groups.stop(timeout_s=2.0)
             self.publisher.stop(timeout_s=2.0)   # after the tracer: spans dropped at shutdown are counted too
             self._rank_info.publish_when_known(final=True)
-            self.registration.end(time.time(), failure)
+            self.registration.end(time.time(), exit_status.failure(ending), exit_status.failure_detail(ending))
             self.registration.save(self.run_dir)
+            self.stacks.stop()
             if self.sink is not None:
                 self.sink.stop(timeout_s=3.0)   # last: a slow backend cannot delay the rank's own state
         except Exception:

@@ -28,6 +28,7 @@ from rankscope.contract.rundir import default_metrics_dir, exporter_address
 from rankscope.pages import Series
 
 DEFAULT_EXPORTER = f"http://{DEFAULT_ADDR}:{DEFAULT_PORT}/metrics"
+EVIDENCE_SERIES = "rankscope_evidence_captured_timestamp_seconds"
 # Labels Prometheus adds on scrape; two jobs scraping one exporter give the same rank series twice.
 TARGET_LABELS = ("job", "instance")
 
@@ -177,10 +178,12 @@ class Prometheus:
 
 
 def dedupe(samples: Iterable[Series]) -> list[Series]:
-    """Drop the target labels and keep one sample per series."""
+    """Drop the target labels and keep one sample per series (an evidence series keeps its
+    ``instance``: the exporter that holds the capture)."""
     seen: dict[tuple, Series] = {}
     for s in samples:
-        labels = {k: v for k, v in s.labels.items() if k not in TARGET_LABELS}
+        keep = ("instance",) if s.name == EVIDENCE_SERIES else ()
+        labels = {k: v for k, v in s.labels.items() if k not in TARGET_LABELS or k in keep}
         seen.setdefault((s.name, tuple(sorted(labels.items()))), Series(s.name, labels, s.value))
     return list(seen.values())
 

@@ -17,6 +17,7 @@ import sys
 import termios
 import time
 import tty
+import urllib.parse
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -26,6 +27,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from rankscope.console import evidence
 from rankscope.console.sources import Prometheus, Series, SourceError, scrape_exporter
 from rankscope.console.view import RankRow, RunView, build_view, choose_run
 from rankscope.contract.catalog import PHASES
@@ -67,6 +69,7 @@ class ExporterSource:
         self.window_s = window_s
         self.alerts = alerts
         self.history: collections.deque[tuple[float, list[Series]]] = collections.deque()
+        self.evidence = SuspectEvidence()
 
     @property
     def description(self) -> str:
@@ -80,7 +83,7 @@ class ExporterSource:
         failures: list[str] = []
         for url in self.urls:
             try:
-                samples += scrape_exporter(url)
+                samples += with_instance(scrape_exporter(url), url)
             except SourceError as e:
                 if strict or len(self.urls) == 1:
                     raise
@@ -106,7 +109,35 @@ class ExporterSource:
                           baseline=baseline[1] if baseline else None,
                           window_s=(now - baseline[0]) if baseline else None)
         view.source_errors = failures
+        view.evidence = self.evidence.of_suspects(view, samples)
         return view
+
+
+def with_instance(samples: list[Series], url: str) -> list[Series]:
+    """An exporter's evidence series, labelled with the exporter they came from (as Prometheus does)."""
+    instance = urllib.parse.urlsplit(url).netloc
+    return [Series(s.name, {**s.labels, "instance": instance}, s.value) if s.name == evidence.SERIES else s
+            for s in samples]
+
+
+class SuspectEvidence:
+    """The evidence of the run's suspects (or stalled ranks), fetched once per capture."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[str, float], dict] = {}
+
+    def of_suspects(self, view: RunView, samples: list[Series]) -> list[dict]:
+        wanted = {r.rank for r in view.rows if r.suspect or r.state == "frozen"} \
+            or {r.rank for r in view.rows if r.state in ("stuck", "dead") and r.evidence}
+        out = []
+        for c in evidence.captures(samples, view.run):
+            if c["rank"] not in wanted:
+                continue
+            key = (c["url"], c["captured_at"])
+            if key not in self._cache:
+                self._cache[key] = evidence.summarize([c])[0]
+            out.append(self._cache[key])
+        return out
 
 
 class PrometheusSource:
@@ -117,6 +148,7 @@ class PrometheusSource:
         self.requested_run = run
         self.run: str | None = None
         self.window_s = window_s
+        self.evidence = SuspectEvidence()
 
     @property
     def description(self) -> str:
@@ -137,8 +169,10 @@ class PrometheusSource:
         samples = self.prometheus.run_series(self.run, now)
         baseline = self.prometheus.run_series(self.run, now - self.window_s)
         alerts = self.prometheus.firing_alerts(self.run, now)
-        return build_view(self.run, samples, source=self.description, baseline=baseline,
+        view = build_view(self.run, samples, source=self.description, baseline=baseline,
                           window_s=self.window_s, alerts=alerts, taken_at=now)
+        view.evidence = self.evidence.of_suspects(view, samples)
+        return view
 
 
 @dataclass
@@ -271,7 +305,7 @@ def render(view: RunView | None, screen: Screen, *, color: bool, live: bool) -> 
     for name, justify in (("rank", "right"), ("node", "left"), ("state", "left"), ("step", "right"),
                           ("lag", "right"), ("last", "right"), ("median", "right"), ("phases", "left"),
                           ("loss", "right"), ("grad norm", "right"), ("memory", "right"),
-                          ("collective", "left"), ("age", "right"), ("hang", "left")):
+                          ("collective", "left"), ("age", "right"), ("hang", "left"), ("evidence", "left")):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for row in rows_shown(view, screen):
         state = Text(row.state + (f" ({row.exception})" if row.exception else ""),
@@ -285,8 +319,18 @@ def render(view: RunView | None, screen: Screen, *, color: bool, live: bool) -> 
         table.add_row(str(row.rank), row.node, state, "-" if row.step is None else f"{row.step:.0f}", lag,
                       _seconds(row.last_step_s), _seconds(row.median_step_s), bar, _number(row.loss),
                       _number(row.grad_norm), _memory(row), collective,
-                      _seconds(row.collective_age_s) if row.collective else "-", hang)
+                      _seconds(row.collective_age_s) if row.collective else "-", hang, row.evidence or "")
     parts.append(table)
+    for c in view.evidence:
+        line = Text(f"rank {c['rank']} ({c['trigger']}) ", style="bold" if color else "")
+        if c["failure"]:
+            line.append(f"raised {c['failure']}")
+        elif c["where"]:
+            line.append("is in " + " <- ".join(c["where"]))
+        else:
+            line.append("(its exporter did not answer)" if not c["reachable"] else "(no stacks)")
+        line.append(f"   {c['url']}", style="dim" if color else "")
+        parts.append(line)
 
     legend = Text("phases: ")
     for p in PHASES:

@@ -55,6 +55,7 @@ class RankRow:
     collective_age_s: float | None = None
     stalled_s: float | None = None
     since_start: bool = False        # median and phases are totals since start, not the window
+    evidence: str = ""               # what its exporter captured evidence of it for (trigger), "" if nothing
 
     @property
     def comm_wait_fraction(self) -> float:
@@ -73,6 +74,7 @@ class RunView:
     leader_step: float | None = None
     alerts: list[Alert] | None = None      # None: the source has no alerts (exporters)
     source_errors: list[str] = field(default_factory=list)   # exporters that did not answer this time
+    evidence: list[dict] = field(default_factory=list)       # console.evidence.summarize() of the suspects
 
     def state_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -215,6 +217,7 @@ def build_view(run: str, now: list[Series], *, source: str, baseline: list[Serie
         row.suspect = (r.value("rankscope_hang_suspect") or 0) >= 1
         failures = r.labelled("rankscope_rank_failure_info", "exception")
         row.exception = next((e for e, v in failures.items() if v >= 1), "")
+        row.evidence = next(iter(r.labelled("rankscope_evidence_captured_timestamp_seconds", "trigger")), "")
         row.step = r.value("rankscope_step")
         row.last_step_s = r.value("rankscope_step_last_duration_seconds")
         row.stalled_s = r.value("rankscope_step_stalled_seconds")

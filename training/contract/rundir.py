@@ -8,6 +8,9 @@ Layout, under the node's metrics directory (``default_metrics_dir()``)::
         counter_<pid>.db ...    prometheus_client multiprocess files, one set per rank process
         ranks/rank-<N>-<pid>.json  registration of one process of rank N: identity, pid,
                                    parent (the torchrun agent), finish time
+        evidence/               stacks-rank-<N>-<pid>.txt: the rank's stacks, written on the
+                                exporter's signal; rank-<N>-<pid>-<episode>.json: what the
+                                exporter captured when the rank stopped making progress
 
 The registration lets the exporter tell a live rank from a dead or finished
 one (and a recycled pid from the original), and name ranks in series it
@@ -26,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 RANKS_SUBDIR = "ranks"
+EVIDENCE_SUBDIR = "evidence"
 EXPORTER_FILE = "exporter.json"
 
 
@@ -116,12 +120,17 @@ class Registration:
     finished_at: float | None = None   # set only when the training loop completed
     failed_at: float | None = None     # set when the monitor ended on an exception
     exception: str = ""                # its type name, when known
+    failure: str = ""                  # its traceback and message as Python prints them (bounded)
     info: dict[str, str] = field(default_factory=dict)
+    # How the exporter gets the rank's stacks (rankscope.publishing.stacks): the signal to send,
+    # the file the stacks are written to, and the training thread's id as the stacks name it.
+    # Empty: it cannot (turned off, or the job has its own handler on that signal).
+    stacks: dict = field(default_factory=dict)
 
-    def end(self, at: float, exception: str) -> None:
+    def end(self, at: float, exception: str, detail: str = "") -> None:
         """Record how the rank's monitor ended: cleanly (finished) or on ``exception`` (failed)."""
         if exception:
-            self.failed_at, self.exception = at, exception
+            self.failed_at, self.exception, self.failure = at, exception, detail
         else:
             self.finished_at = at
 

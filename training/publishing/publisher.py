@@ -34,6 +34,7 @@ from rankscope.errors import TelemetryErrors
 from rankscope.flops import FlopsConfig
 from rankscope.holds import LongestHold
 from rankscope.publishing.metrics import RankMetrics
+from rankscope.publishing.stacks import StackDumps
 from rankscope.publishing.startup import RankInfo
 from rankscope.step.accounting import GIL_YIELD_S, Accumulator, StepAccounting
 from rankscope.step.handoff import StepHandoff
@@ -48,8 +49,8 @@ class SpanCounts(Protocol):
 class Publisher:
     def __init__(self, metrics: RankMetrics, handoff: StepHandoff, accounting: StepAccounting,
                  tracker: CollectiveTracker, device: RankDevice, memory: MemorySampler, tracing: SpanCounts,
-                 errors: TelemetryErrors, flight_recorder: FlightRecorder, rank_info: RankInfo, flops: FlopsConfig,
-                 interval_s: float, memory_every_s: float):
+                 errors: TelemetryErrors, flight_recorder: FlightRecorder, rank_info: RankInfo, stacks: StackDumps,
+                 flops: FlopsConfig, interval_s: float, memory_every_s: float):
         self._m = metrics
         self._handoff = handoff
         self._accounting = accounting
@@ -60,6 +61,7 @@ class Publisher:
         self._errors = errors
         self._flight_recorder = flight_recorder
         self._rank_info = rank_info
+        self._stacks = stacks
         self._flops = flops                # model FLOPs of the steps
         self._interval_s = interval_s
         self._memory_every_s = memory_every_s
@@ -109,7 +111,7 @@ class Publisher:
                                     ("publisher", self._write_steps), ("publisher", self._write_time_use),
                                     ("collectives", self._write_collectives), ("memory", self._write_memory),
                                     ("tracing", self._write_drops), ("publisher", self._rank_info.save_when_known),
-                                    ("publisher", self._rank_info.publish_saved)):
+                                    ("publisher", self._rank_info.publish_saved), ("publisher", self._stacks.check)):
                 self.hold.start()
                 try:
                     part()
