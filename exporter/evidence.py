@@ -60,6 +60,8 @@ STACK_WAIT_S = 3.0                 # how long a capture waits for the rank's han
 CPU_SAMPLE_S = 0.5                 # the two reads of the process's CPU time are this far apart
 PYSPY_TIMEOUT_S = 10.0
 QUEUE_MAX = 64                     # captures waiting; more are skipped (logged once)
+# Where a training thread counted in a collective (from its backward phase on) is not waiting in it.
+OUTSIDE_COLLECTIVE = ("user code", "data loader")
 _TICK = os.sysconf("SC_CLK_TCK")
 _THREAD_HEADER = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
@@ -147,7 +149,7 @@ class EvidenceKeeper:
         with self._lock:
             episode = self._episodes.get((str(run_dir), reg.rank, reg.pid))
         capture = episode.capture if episode is not None else None
-        return bool(capture) and capture.get("stacks", {}).get("training_thread_in") == "user code"
+        return bool(capture) and capture.get("stacks", {}).get("training_thread_in") in OUTSIDE_COLLECTIVE
 
     def forget(self, run_dirs: Iterable[Path]) -> None:
         """Drop what is kept about runs no longer in the directory."""
@@ -211,6 +213,7 @@ class EvidenceKeeper:
                 self._log_once("capture", "an evidence capture failed (logged once)", exc_info=True)
 
     def capture(self, job: _Job) -> dict:
+        began = time.monotonic()
         reg = job.reg
         state = process_state(reg.pid)
         alive = reg.process_alive()
@@ -237,6 +240,7 @@ class EvidenceKeeper:
         gpu = self._gpu(reg)
         if gpu:
             capture["gpu"] = gpu
+        capture["capture_s"] = round(time.monotonic() - began, 3)   # a stopped rank is never waited on
         return capture
 
     def _stacks(self, reg: Registration, state: str | None) -> dict:
@@ -245,8 +249,8 @@ class EvidenceKeeper:
             return {"source": "stopped", "note": "the process is stopped (state T): it cannot write its stacks "
                                                  "until it is continued (SIGCONT); nothing waited on it"}
         if not offer.get("signal") or not offer.get("file"):
-            return {"source": "unavailable", "note": "the rank offers no stack signal (turned off, or the job "
-                                                     "handles that signal itself)"}
+            return {"source": "unavailable", "note": "the rank offers no stacks: "
+                                                     + offer.get("unavailable", "turned off (stack_signal off)")}
         path = Path(offer["file"])
         try:
             os.truncate(path, 0)
@@ -329,13 +333,19 @@ def parse_stacks(text: str) -> list[dict]:
     return threads
 
 
+# Where a thread is, by the file of its innermost Python frame: torch's own parts first.
+_TORCH_PARTS = (("/torch/distributed/", "collective"), ("/torch/autograd/", "backward"),
+                ("/torch/utils/data/", "data loader"), ("/torch/", "torch"))
+
+
 def where(frames: list[list]) -> str:
-    """Where a thread is, from its innermost frame: "torch" (a collective, backward, an op) or
-    "user code" (the job's own functions, the standard library)."""
+    """Where a thread is, from its innermost frame: in torch ("collective", "backward", "data
+    loader", "torch") or in "user code" (the job's own functions, the standard library, any
+    other library). A native wait shows as the Python frame that called it."""
     if not frames:
         return "unknown"
     innermost = frames[0][0].replace("\\", "/")
-    return "torch" if "/torch/" in innermost else "user code"
+    return next((part for marker, part in _TORCH_PARTS if marker in innermost), "user code")
 
 
 def _process(pid: int) -> dict:

@@ -46,9 +46,6 @@ class RankView:
     ops: list[str] = field(default_factory=lambda: list(EAGER_COLLECTIVE_OPS))   # ops the rank has used
     state: str = "starting"
     suspect: bool = False
-    # Counted in a collective, but evidence of this stall found its training thread in the job's
-    # own code (rankscope.exporter.evidence): not waiting in the collective.
-    outside_collective: bool = False
 
 
 def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> None:
@@ -62,12 +59,12 @@ def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> Non
         elif process_state(v.reg.pid) == "T" or (v.heartbeat and now - v.heartbeat > cfg.frozen_after_s):
             v.state = "frozen"
         elif stalled > cfg.stuck_after_s:
-            v.state = "stuck_in_collective" if v.in_flight and not v.outside_collective else "stuck"
+            v.state = "stuck_in_collective" if v.in_flight else "stuck"
         elif not v.last_step:
             v.state = "starting"
         else:
             v.state = "progressing"
-    waiting = [v for v in views if v.alive and v.in_flight and not v.outside_collective
+    waiting = [v for v in views if v.alive and v.in_flight
                and now - min(v.in_flight.values()) > cfg.suspect_after_s]
     if not waiting:
         return
@@ -75,7 +72,7 @@ def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> Non
         stalled = now - (v.last_step or v.reg.started_at)
         if v.state in ("dead", "finished"):
             continue
-        outside = not v.in_flight or v.state == "frozen" or v.outside_collective
+        outside = not v.in_flight or v.state == "frozen"
         v.suspect = outside and stalled > cfg.suspect_after_s
 
 
@@ -168,8 +165,10 @@ class RankCollector:
                                                 now) or now
             if not v.alive:
                 v.in_flight.clear()
-            if self.evidence is not None and v.in_flight:
-                v.outside_collective = self.evidence.outside_collective(run_dir, reg)
+            if self.evidence is not None and v.in_flight and self.evidence.outside_collective(run_dir, reg):
+                # Counted in a collective from its backward phase on, but the evidence of this
+                # stall found its training thread in the job's own code: it waits in none.
+                v.in_flight.clear()
             views.append(v)
         derive_states(views, self.cfg, now)
         # Older processes of a restarted rank keep their counters (summed by the

@@ -16,6 +16,7 @@ from typing import Any, Iterable
 
 from rankscope.console.sources import EVIDENCE_SERIES as SERIES
 from rankscope.pages import Series
+
 TIMEOUT_S = 5.0
 
 
@@ -56,6 +57,15 @@ def failure_line(capture: dict) -> str:
     """The last line of a failed rank's traceback: its exception and message."""
     lines = [line for line in ((capture.get("failure") or {}).get("traceback") or "").splitlines() if line.strip()]
     return lines[-1].strip() if lines else ""
+
+
+def one_line(summary: dict) -> str:
+    """What a summarized capture says first: what the rank raised, or where it was."""
+    if summary["failure"]:
+        return f"raised {summary['failure']}"
+    if summary["where"]:
+        return "in " + " <- ".join(summary["where"])
+    return "its exporter did not answer" if not summary["reachable"] else "no stacks"
 
 
 def summarize(found: list[dict]) -> list[dict[str, Any]]:

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rankscope.console.sources import Prometheus, SourceError, escape, parse_duration
+from rankscope.console import evidence
+from rankscope.console.sources import Prometheus, Series, SourceError, escape, parse_duration
 from rankscope.console.view import histogram_quantile
 from rankscope.contract.thresholds import STRAGGLER_PHASES as COMPUTE_PHASES
 from rankscope.contract.thresholds import STRAGGLER_RATIO
@@ -485,6 +486,15 @@ def resolve_window(p: Prometheus, run: str, start: str | None, end: str | None, 
     return begin, finish
 
 
+def evidence_captured(d: RunData) -> list[dict[str, Any]]:
+    """The evidence node exporters captured of the run's stalled or failed ranks in the window,
+    each fetched from its exporter where it still answers (it keeps them as long as the run's
+    files: retention)."""
+    found = d.total(f"last_over_time({evidence.SERIES}{{{d.sel}}}[{d.window}])")   # the name is dropped
+    named = [Series(evidence.SERIES, s.labels, s.value) for s in found]
+    return evidence.summarize(evidence.captures(named, d.run))
+
+
 def summary(d: RunData, ranking: list[dict[str, Any]]) -> dict[str, Any]:
     w = d.window
     ranks = d.total(f"count by (rank, node) (last_over_time(rankscope_steps_total{{{d.sel}}}[{w}]))")
@@ -594,6 +604,19 @@ def render_html(facts: dict[str, Any], plots: list[Plot]) -> str:
         parts.append("</table>")
     else:
         parts.append("<p>No alert fired in this window.</p>")
+    parts.append("<h2>Evidence captured</h2>")
+    if facts["evidence"]:
+        parts.append("<p class='note'>Captured by the node exporters when a rank stopped making progress or "
+                     "raised: its stacks, collectives, process and device state.</p><table><tr><th>rank</th>"
+                     "<th>node</th><th>why</th><th>captured</th><th>where it was</th><th>link</th></tr>")
+        for c in facts["evidence"]:
+            said = evidence.one_line(c)
+            parts.append(f"<tr><td class='num'>{c['rank']}</td><td>{e(c['node'])}</td><td>{e(c['trigger'])}</td>"
+                         f"<td>{e(_utc(c['captured_at']))}</td><td>{e(said)}</td>"
+                         f"<td><a href='{e(c['url'])}'>{e(c['url'])}</a></td></tr>")
+        parts.append("</table>")
+    else:
+        parts.append("<p>No evidence was captured in this window: no rank stalled or raised.</p>")
     blob = json.dumps(facts, default=str).replace("</", "<\\/")
     parts.append(f"<script type='application/json' id='rankscope-report'>{blob}</script></body></html>")
     return "\n".join(parts)
@@ -613,6 +636,7 @@ def write_report(prometheus_url: str, run: str, out: Path, *, start: str | None 
              for s in d.total(f"last_over_time(rankscope_steps_total{{{d.sel}}}[{d.window}])")}
     ranking = straggler_ranking(per_rank, nodes)
     alerts = alert_intervals(d)
+    captured = evidence_captured(d)
     collectives_plot, collective_stats = collective_distribution(d)
     plots = [step_time_heatmap(d), phase_breakdown(per_rank), straggler_plot(d, ranking), loss_plot(d),
              memory_plot(d), collectives_plot, alerts_timeline(d, alerts)]
@@ -623,6 +647,7 @@ def write_report(prometheus_url: str, run: str, out: Path, *, start: str | None 
         "phases_per_step_s": per_rank,
         "collectives": collective_stats,
         "alerts": alerts,
+        "evidence": captured,
         "plots": {pl.name: {"title": pl.title, "points": pl.points} for pl in plots},
     }
     try:

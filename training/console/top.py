@@ -323,12 +323,7 @@ def render(view: RunView | None, screen: Screen, *, color: bool, live: bool) -> 
     parts.append(table)
     for c in view.evidence:
         line = Text(f"rank {c['rank']} ({c['trigger']}) ", style="bold" if color else "")
-        if c["failure"]:
-            line.append(f"raised {c['failure']}")
-        elif c["where"]:
-            line.append("is in " + " <- ".join(c["where"]))
-        else:
-            line.append("(its exporter did not answer)" if not c["reachable"] else "(no stacks)")
+        line.append(evidence.one_line(c))
         line.append(f"   {c['url']}", style="dim" if color else "")
         parts.append(line)
 

@@ -124,7 +124,7 @@ class Registration:
     info: dict[str, str] = field(default_factory=dict)
     # How the exporter gets the rank's stacks (rankscope.publishing.stacks): the signal to send,
     # the file the stacks are written to, and the training thread's id as the stacks name it.
-    # Empty: it cannot (turned off, or the job has its own handler on that signal).
+    # {"unavailable": why} where it cannot (the job has its own handler on that signal); {}: off.
     stacks: dict = field(default_factory=dict)
 
     def end(self, at: float, exception: str, detail: str = "") -> None:

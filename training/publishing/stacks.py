@@ -88,19 +88,21 @@ class StackDumps:
 
     def check(self) -> None:
         """Publisher thread: withdraw the offer once the job has taken the signal."""
-        if self._registration.stacks and not self.still_ours():
-            self._registration.stacks = {}
+        if self._registration.stacks.get("signal") and not self.still_ours():
+            self._registration.stacks = {"unavailable": f"the job installed its own {_name(self.signum)} handler "
+                                                        f"after rankscope's"}
             self._registration.save(self._run_dir)
 
     def _register(self) -> dict:
-        """The registration's ``stacks`` entry ({} where the stacks cannot be had)."""
+        """The registration's ``stacks`` entry: the signal, file and training thread, or why
+        there are no stacks of this rank (``{"unavailable": why}``; {} when turned off)."""
         if not self.signum:
             return {}
         if not _unclaimed(self.signum):
-            log.warning("rankscope: the job handles %s already: rankscope leaves it alone, and the exporter will "
-                        "capture no stacks of this rank (set RANKSCOPE_STACK_SIGNAL to another signal)",
-                        _name(self.signum))
-            return {}
+            why = f"the job handles {_name(self.signum)} itself"
+            log.warning("rankscope: %s: rankscope leaves it alone, and the exporter will capture no stacks of this "
+                        "rank (set RANKSCOPE_STACK_SIGNAL to another signal)", why)
+            return {"unavailable": why}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a")   # kept open: the handler writes to its descriptor
@@ -109,7 +111,7 @@ class StackDumps:
             log.warning("rankscope: cannot register the stack handler on %s (%s): no stacks of this rank",
                         _name(self.signum), e)
             self._close_file()
-            return {}
+            return {"unavailable": f"cannot register a handler on {_name(self.signum)}: {e}"}
         return {"signal": self.signum, "file": str(self.path), "thread": threading.get_ident()}
 
     def still_ours(self) -> bool:
