@@ -158,12 +158,16 @@ def test_a_scrape_never_sees_a_count_twice_or_not_at_all(tmp_path):
             return sum(s.value for m in collector.collect() if m.name == "t_ops"
                        for s in m.samples if s.labels["rank"] == "x")
 
+    scrapes = []
+
     def scrape() -> None:
         while not stop.is_set():
             low = expected["n"]
             got = total()
             if not low <= got <= expected["n"]:
                 bad.append((low, got, expected["n"]))
+            scrapes.append(got)
+            time.sleep(0.0005)   # Python's lock is not fair: without a pause the writer waits for seconds
 
     me = os.getpid()
     register(run_dir, 0, me, process_start_ticks(me), 1, process_start_ticks(1), time.time() + 10_000)
@@ -179,10 +183,12 @@ def test_a_scrape_never_sees_a_count_twice_or_not_at_all(tmp_path):
                 expected["n"] += k + 1
             if k % 3 == 2:
                 compactor.compact_run(run_dir, lock)
+            time.sleep(0.003)   # let scrapes land between the writer's steps
     finally:
         stop.set()
         scraper.join()
     assert not bad, bad[:5]
+    assert len(scrapes) > 60, "the scraper must have raced the writer"
     assert total() == expected["n"] == sum(range(1, 61))
     assert len(files_of(run_dir)) <= 4
 
