@@ -216,7 +216,7 @@ class EvidenceKeeper:
         began = time.monotonic()
         reg = job.reg
         state = process_state(reg.pid)
-        alive = reg.process_alive()
+        alive = state not in (None, "Z") and reg.process_alive()   # a zombie has no stacks to give
         capture: dict[str, Any] = {
             "run": reg.run, "run_dir": job.run_dir.name, "rank": reg.rank, "local_rank": reg.local_rank,
             "node": reg.node, "pid": reg.pid, "episode": job.episode.number, "trigger": job.episode.trigger,
@@ -232,6 +232,8 @@ class EvidenceKeeper:
         if alive:
             capture["stacks"] = self._stacks(reg, state)
             capture["process"] = _process(reg.pid)
+            if capture["process"]["state"] is None:   # it exited while we read it
+                capture["process"] = {"gone": True}
             native = self._native(reg.pid, state)
             if native is not None:
                 capture["native"] = native

@@ -486,8 +486,10 @@ def communication() -> dash.Dashboard:
                "{{op}} rank {{rank}}")]))
     d = d.with_row(dash.Row("In flight"))
     d = d.with_panel(ts(
-        "Collectives in flight", "1 while a rank is inside a collective of this op.", "none",
-        [query(f"sum by (rank, op) (rankscope_collective_in_flight{{{SEL}}})", "{{op}} rank {{rank}}")]))
+        "Collectives in flight", "1 while a rank is inside a collective of this op (as its node exporter "
+        "judges: not where the rank's stacks showed it in its own code).", "none",
+        [query(f"sum by (rank, op) (rankscope_collective_in_flight_seconds{{{SEL}}} > bool 0)",
+               "{{op}} rank {{rank}}")]))
     d = d.with_panel(ts(
         "Collective in flight for", "How long the collective now in flight has been running, per rank and op. "
         "In a hang, every rank but the culprit shows a rising line.", "s",

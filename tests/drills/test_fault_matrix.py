@@ -388,3 +388,4 @@ def test_a_ten_minute_noisy_healthy_run_with_a_restart_pages_nothing_at_producti
     o = matrix["healthy"]
     assert o.error is None and o.trained_through_the_restart(), o.describe()
     assert o.delivered == [] and o.prometheus_firing == [], o.describe()
+    assert o.evidence == [], o.describe()   # and its exporter captured nothing

@@ -1,4 +1,4 @@
-"""A healthy run pages nothing: two minutes of realistic noise (step-time jitter of
+"""A healthy run pages nothing and captures no evidence: two minutes of realistic noise (step-time jitter of
 +-20%, loss noise, evaluation pauses, a checkpoint pause, a clean stop at a
 checkpoint and a restart from it) with the fast drill thresholds, the shipped
 Alertmanager routes and a real webhook. The 10-minute version at the production
@@ -21,3 +21,4 @@ def test_a_noisy_healthy_run_with_a_restart_pages_nothing_at_the_fast_thresholds
     assert outcome.error is None and outcome.trained_through_the_restart(), outcome.describe()
     assert outcome.delivered == [], outcome.describe()
     assert outcome.prometheus_firing == [], outcome.describe()
+    assert outcome.evidence == [], outcome.describe()   # and its exporter captured nothing

@@ -29,6 +29,12 @@ from prometheus_client.samples import Sample
 REPO = Path(__file__).resolve().parents[2]
 
 
+def rankscope_command() -> list[str]:
+    """The installed console script, as a user runs it (the module when the script is not installed)."""
+    script = Path(sys.executable).with_name("rankscope")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "rankscope.console"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

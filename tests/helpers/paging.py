@@ -99,10 +99,12 @@ class HealthyOutcome:
     first_launch_steps: int = 0
     resumed_from_step: int = 0
     final_steps: dict[str, float] = field(default_factory=dict)   # rank -> step, just before the end
+    evidence: list[str] = field(default_factory=list)   # captures the exporter kept: none in a healthy run
     error: str | None = None
 
     def describe(self) -> str:
         return (f"{self.error or ''}\ndelivered for {self.run}: {self.delivered}\nfiring: {self.prometheus_firing}\n"
+                f"evidence captured: {self.evidence}\n"
                 f"steps: {self.first_launch_steps} in the first launch, resumed from {self.resumed_from_step}, "
                 f"then reached {self.final_steps}")
 
@@ -141,5 +143,6 @@ def run_healthy(rules: list[Path], am: AlertmanagerServer, hook: WebhookReceiver
     except Exception:  # noqa: BLE001 - reported by the test
         out.error = traceback.format_exc()
     finally:
+        out.evidence = sorted(str(p.relative_to(metrics)) for p in metrics.glob("*/evidence/rank-*.json"))
         shutil.rmtree(work / run, ignore_errors=True)
     return out

@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from tests.helpers.jobs import REPO, TrainJob, free_port
+from tests.helpers.jobs import REPO, TrainJob, free_port, rankscope_command
 from tests.helpers.paging import render_rules
 from tests.helpers.promstack import PrometheusServer
 
@@ -38,11 +38,6 @@ STEPS = 260            # ~0.12 s a step with the straggler: ~30 s of training, l
 PLOTS = ("step_time_heatmap", "phase_breakdown", "straggler_ranking", "loss", "memory", "collective_latency",
          "alerts_timeline")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def rankscope_command() -> list[str]:
-    script = Path(sys.executable).with_name("rankscope")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "rankscope.console"]
 
 
 def _env() -> dict[str, str]:

@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 import pytest
 
 from prometheus import generate
-from tests.helpers.jobs import REPO, TrainJob, free_port, value, wait_until
+from tests.helpers.jobs import REPO, TrainJob, free_port, rankscope_command, value, wait_until
 from tests.helpers.promstack import PrometheusServer
 
 FAST_STATES = {"RANKSCOPE_STUCK_AFTER_S": "5", "RANKSCOPE_FROZEN_AFTER_S": "4", "RANKSCOPE_SUSPECT_AFTER_S": "5"}
@@ -37,12 +37,6 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 DOCS_TOP_IMAGE = REPO / "docs" / "images" / "top.png"
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (tests/run.sh installs it)")
-
-
-def rankscope_command() -> list[str]:
-    """The installed console script, as a user runs it (the module when the script is not installed)."""
-    script = Path(sys.executable).with_name("rankscope")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "rankscope.console"]
 
 
 def _env() -> dict[str, str]:

@@ -68,12 +68,12 @@ def one_line(summary: dict) -> str:
     return "its exporter did not answer" if not summary["reachable"] else "no stacks"
 
 
+def summary(found: dict, capture: dict | None) -> dict[str, Any]:
+    """A capture (None: its exporter did not answer) reduced to what a person reads first."""
+    return {**found, "reachable": capture is not None, "where": where(capture) if capture else [],
+            "failure": failure_line(capture) if capture else ""}
+
+
 def summarize(found: list[dict]) -> list[dict[str, Any]]:
-    """Each capture fetched and reduced to what a person reads first."""
-    out = []
-    for c in found:
-        capture = fetch(c["url"])
-        out.append({**c, "reachable": capture is not None,
-                    "where": where(capture) if capture else [],
-                    "failure": failure_line(capture) if capture else ""})
-    return out
+    """Each capture fetched and summarized."""
+    return [summary(c, fetch(c["url"])) for c in found]

@@ -257,9 +257,11 @@ def build_view(run: str, now: list[Series], *, source: str, baseline: list[Serie
             row.memory_kind, row.memory_limit = "host", r.value("rankscope_host_memory_limit_bytes")
             row.memory_used = r.value("rankscope_host_memory_rss_bytes")
 
-        in_flight = [op for op, v in r.labelled("rankscope_collective_in_flight", "op").items() if v >= 1]
+        # The exporter's age is 0 where its evidence found the rank outside the collective it counts itself in.
+        ages = r.labelled("rankscope_collective_in_flight_seconds", "op")
+        in_flight = [op for op, v in r.labelled("rankscope_collective_in_flight", "op").items()
+                     if v >= 1 and ages.get(op, 1.0) > 0]
         if in_flight and row.state not in ("dead", "finished"):
-            ages = r.labelled("rankscope_collective_in_flight_seconds", "op")
             started = r.labelled("rankscope_collective_started_timestamp_seconds", "op")
             op = max(in_flight, key=lambda o: ages.get(o, 0.0))
             row.collective = op
