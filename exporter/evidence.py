@@ -49,7 +49,7 @@ from typing import Any, Iterable, Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from rankscope.contract.rundir import EVIDENCE_SUBDIR, Registration, process_state
+from rankscope.contract.rundir import EVIDENCE_SUBDIR, FLIGHT_RECORDER_SUBDIR, Registration, process_state
 from rankscope.exporter.catalog import BY_NAME
 
 log = logging.getLogger("rankscope.exporter")
@@ -186,6 +186,13 @@ class EvidenceKeeper:
                     continue
         return sorted(out, key=lambda c: c.get("captured_at", 0))
 
+    def dump(self, slug: str, rank: int, name: str) -> Path | None:
+        """A flight-recorder dump of a rank of the run whose directory is ``slug``, by name."""
+        run_dirs = {p.name: p for p in self.cfg.directory.iterdir() if p.is_dir()}
+        if slug not in run_dirs:   # never a path of the client's making: only names listed here
+            return None
+        return next((p for p in flight_recorder_dumps(run_dirs[slug], rank) if p.name == name), None)
+
     def find(self, slug: str, rank: int, episode: int | None = None) -> dict | None:
         """The newest capture of a rank of the run whose directory is ``slug`` (or its ``episode``)."""
         found = [c for c in self.captures() if c.get("run_dir") == slug and c.get("rank") == rank
@@ -223,8 +230,7 @@ class EvidenceKeeper:
             "state": job.state, "captured_at": time.time(),
             "path": f"/evidence/{job.run_dir.name}/{reg.rank}",
             "collectives": {"in_flight": job.in_flight, "groups": job.groups,
-                            "flight_recorder": sorted(p.name for p in (job.run_dir / "flight-recorder").glob(
-                                f"*_rank_{reg.rank}"))},
+                            "flight_recorder": [p.name for p in flight_recorder_dumps(job.run_dir, reg.rank)]},
         }
         if reg.failed_at and reg.exception:
             capture["failure"] = {"exception": reg.exception, "failed_at": reg.failed_at,
@@ -318,6 +324,11 @@ def _wait_for_stacks(path: Path) -> str:
             return f.read(TEXT_MAX_BYTES + 1).decode(errors="replace")
     except OSError:
         return ""
+
+
+def flight_recorder_dumps(run_dir: Path, rank: int) -> list[Path]:
+    """The flight-recorder dumps a rank wrote (rankscope.collectives.flight_recorder)."""
+    return sorted(p for p in (run_dir / FLIGHT_RECORDER_SUBDIR).glob(f"*_rank_{rank}") if p.is_file())
 
 
 def parse_stacks(text: str) -> list[dict]:
@@ -420,7 +431,11 @@ def render_html(capture: dict) -> str:
     native = capture.get("native")
     if native:
         parts.append(f"<h2>Native stacks (py-spy)</h2><pre>{e(native.get('text') or native.get('error', ''))}</pre>")
-    parts.append(f"<h2>Collectives</h2><pre>{e(json.dumps(capture.get('collectives', {}), indent=1))}</pre>")
+    collectives = capture.get("collectives", {})
+    dumps = "".join(f" <a href='{capture['rank']}/flight-recorder/{e(name)}'>{e(name)}</a>"
+                    for name in collectives.get("flight_recorder", []))
+    parts.append(f"<h2>Collectives</h2><p>Flight-recorder dumps (pickles; torchfrtrace reads them):"
+                 f"{dumps or ' none written yet'}</p><pre>{e(json.dumps(collectives, indent=1))}</pre>")
     parts.append(f"<h2>Process</h2><pre>{e(json.dumps(capture.get('process', {}), indent=1))}</pre>")
     if capture.get("gpu"):
         parts.append(f"<h2>GPU</h2><pre>{e(json.dumps(capture['gpu'], indent=1))}</pre>")

@@ -41,7 +41,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from rankscope.exporter import __version__
-from rankscope.exporter.evidence import EvidenceKeeper, render_html
+from rankscope.exporter.evidence import EvidenceKeeper, flight_recorder_dumps, render_html
 from rankscope.exporter.config import ExporterConfig
 from rankscope.exporter.exposition import make_metrics_app
 from rankscope.exporter.webconfig import WebConfig
@@ -208,7 +208,8 @@ def make_app(cfg: ExporterConfig, registry: CollectorRegistry, lock: threading.L
 
 def _evidence(keeper: EvidenceKeeper | None, path: str, query: str, respond) -> list[bytes]:
     """/evidence: the captures kept (JSON); /evidence/<run dir>/<rank>: a rank's newest capture,
-    HTML for a person, JSON with ?format=json (&episode=N for an earlier one)."""
+    HTML for a person, JSON with ?format=json (&episode=N for an earlier one);
+    /evidence/<run dir>/<rank>/flight-recorder/<name>: one of its flight-recorder dumps."""
     params = urllib.parse.parse_qs(query)
     if keeper is None:
         return _plain(respond, "404 Not Found", b"evidence capture is off (--no-evidence)\n")
@@ -217,12 +218,22 @@ def _evidence(keeper: EvidenceKeeper | None, path: str, query: str, respond) -> 
         index = [{k: c.get(k) for k in ("run", "run_dir", "rank", "node", "episode", "trigger", "captured_at", "path")}
                  for c in keeper.captures()]
         return _json(respond, index)
+    if len(parts) == 4 and parts[1].isdigit() and parts[2] == "flight-recorder":
+        dump = keeper.dump(parts[0], int(parts[1]), parts[3])
+        if dump is None:
+            return _plain(respond, "404 Not Found", b"no such flight-recorder dump\n")
+        body = dump.read_bytes()
+        respond("200 OK", [("Content-Type", "application/octet-stream"), ("Content-Length", str(len(body))),
+                           ("Content-Disposition", f'attachment; filename="{dump.name}"')])
+        return [body]
     if len(parts) != 2 or not parts[1].isdigit():
         return _plain(respond, "404 Not Found", b"not found: /evidence/<run directory>/<rank>\n")
     episode = params.get("episode", [None])[0]
     capture = keeper.find(parts[0], int(parts[1]), int(episode) if episode and episode.isdigit() else None)
     if capture is None:
         return _plain(respond, "404 Not Found", b"no evidence of that rank\n")
+    run_dir = keeper.cfg.directory / parts[0]   # the dumps written since the capture too
+    capture["collectives"]["flight_recorder"] = [p.name for p in flight_recorder_dumps(run_dir, int(parts[1]))]
     if params.get("format", [""])[0] == "json":
         return _json(respond, capture)
     body = render_html(capture).encode()

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
-import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Callable
@@ -125,14 +126,32 @@ def links(alert: dict) -> list[str]:
 
 # -- the jobs (on the pool's threads) ------------------------------------------------------
 def loader_hang(work: Path) -> dict:
-    with UserJob("evidence_job.py", "loader_hang", "--at", AT, nproc=2, tmp_path=work, env=FAST_STATES) as job:
+    # The waiting rank dumps torch's flight recorder after 3 s in the all-reduce: served with its evidence.
+    env = {**FAST_STATES, "TORCH_FR_BUFFER_SIZE": "200", "RANKSCOPE_FLIGHT_RECORDER_AFTER_S": "3"}
+    with UserJob("evidence_job.py", "loader_hang", "--at", AT, nproc=2, tmp_path=work, env=env) as job:
         job.start()
         serving(job)
         paged = page_for([job], work, "RankscopeHangSuspect", {"1"}, then=lambda prom: consoles(job, prom, work))
         link = links(paged["1"])
-        return {"page": paged["1"], "links": link,
-                "culprit": get_json(link[0] + "?format=json") if link else None,
-                "peer": capture_of(job, 0), "port": job.port, "consoles": paged["then"]}
+        peer = wait_until(lambda: (lambda c: c["collectives"]["flight_recorder"] and c)(capture_of(job, 0)),
+                          timeout=30, what="rank 0's flight-recorder dump listed with its evidence")
+        base = f"http://127.0.0.1:{job.port}{peer['path']}"
+        with urllib.request.urlopen(f"{base}/flight-recorder/{peer['collectives']['flight_recorder'][0]}") as r:
+            dump = pickle.loads(r.read())
+        outside = [status(f"http://127.0.0.1:{job.port}/evidence/{slug}/0/flight-recorder/{name}")
+                   for slug, name in ((peer["run_dir"], "..%2F..%2Fexporter.json"), ("..", "ranks"),
+                                      (peer["run_dir"], "nccl_trace_rank_1"))]
+        return {"page": paged["1"], "links": link, "culprit": get_json(link[0] + "?format=json") if link else None,
+                "peer": peer, "dump": dump, "outside": outside, "port": job.port, "consoles": paged["then"],
+                "html": urllib.request.urlopen(base).read().decode()}
+
+
+def status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def consoles(job: UserJob, prom: PrometheusServer, work: Path) -> dict:
@@ -263,6 +282,15 @@ def test_a_rank_hung_in_its_loader_is_paged_with_a_link_to_its_stack(ran):
     peer = r["peer"]   # rank 0 waits in the all-reduce DDP launched in its backward
     assert peer["collectives"]["in_flight"].get("all_reduce", 0) > 0, peer["collectives"]
     assert peer["stacks"]["training_thread_in"] in ("backward", "collective"), peer["stacks"]["text"]
+
+
+def test_the_waiting_peers_flight_recorder_dump_is_served_with_its_evidence(ran):
+    r = ran.get("loader_hang")
+    entries = r["dump"]["entries"]
+    assert entries and any("all_reduce" in e["profiling_name"] for e in entries), entries[-1]
+    name = r["peer"]["collectives"]["flight_recorder"][0]
+    assert f"0/flight-recorder/{name}'" in r["html"]
+    assert r["outside"] == [404, 404, 404]   # nothing but the rank's own dumps, by name
 
 
 def test_top_and_the_report_show_where_the_culprit_is(ran):

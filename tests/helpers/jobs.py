@@ -202,6 +202,6 @@ class TrainJob:
         from rankscope.contract.rundir import latest_per_rank, load_registrations
 
         out: dict[int, int] = {}
-        for run_dir in self.metrics_dir.glob(f"*/ranks"):
+        for run_dir in self.metrics_dir.glob("*/ranks"):
             out.update({r: reg.pid for r, reg in latest_per_rank(load_registrations(run_dir.parent)).items()})
         return out

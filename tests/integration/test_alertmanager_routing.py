@@ -1,15 +1,10 @@
 """The shipped routing in a real Alertmanager (the static checks: tests/unit/test_rules.py)."""
 
 from __future__ import annotations
-import re
-import subprocess
-from pathlib import Path
 import pytest
 import yaml
-from rankscope.exporter.catalog import EXPORTER_METRICS
 from prometheus import generate
-from prometheus.rules_spec import ALERTS, PAGING, RECORDING_RULES, RULE_GROUPS, SLOW, WARNING, rule_key
-from rankscope.contract.catalog import RANK_METRICS
+from prometheus.rules_spec import ALERTS
 
 from tests.unit.test_rules import (PROM, _EARLIER, _post_alerts, _webhooks_to, run)  # noqa: F401 - fixtures too
 

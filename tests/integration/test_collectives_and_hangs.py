@@ -11,7 +11,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from tests.helpers.jobs import REPO, TrainJob, select, value, wait_until
 

@@ -20,7 +20,6 @@ import re
 import shutil
 import struct
 import subprocess
-import sys
 import time
 from pathlib import Path
 from urllib.parse import urlparse

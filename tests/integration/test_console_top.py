@@ -17,7 +17,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 from urllib.parse import urlparse

@@ -1,20 +1,11 @@
 """The deployment files driving real processes (tests/unit/test_deploy.py checks them offline)."""
 
 from __future__ import annotations
-import importlib.util
 import json
 import os
-import re
-import shlex
-import signal
-import subprocess
 import sys
 import urllib.request
 from pathlib import Path
-from urllib.parse import urlparse
-import dockerfile
-import jsonschema
-import kubernetes_validate
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families

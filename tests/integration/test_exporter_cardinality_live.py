@@ -1,30 +1,13 @@
 """--rank-histograms with real exporters, promtool and Prometheus (the unit tests: tests/unit/test_exporter_cardinality.py)."""
 
 from __future__ import annotations
-import functools
-import os
-import re
 import subprocess
-import sys
-import time
 from collections import defaultdict
-from pathlib import Path
 import pytest
 import yaml
-from prometheus_client.exposition import generate_latest
-from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
-from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
-from prometheus_client.parser import text_string_to_metric_families as parse_text
-from prometheus_client.registry import Collector
-from rankscope.contract import catalog as rank_catalog
-from rankscope.contract.rundir import Registration, process_start_ticks, run_slug
 from rankscope.exporter import catalog as exporter_catalog
-from rankscope.exporter.cardinality import reduce_histograms
 from rankscope.exporter.catalog import node_histogram_name
-from rankscope.exporter.cli import build_parser, config_from_args
-from rankscope.exporter.config import RANK_HISTOGRAM_MODES, ExporterConfig, ExporterConfigError
 from rankscope.exporter.exposition import Renderer
-from rankscope.exporter.ranks import RankCollector
 
 from tests.unit.test_exporter_cardinality import (Frozen, HISTOGRAMS, LIVE_RANKS, OPENMETRICS, TIME_DERIVED, collect, family_of, live_node, metrics_dir, one_run_dir, page, relabel_examples, scrape)  # noqa: F401 - fixtures too
 

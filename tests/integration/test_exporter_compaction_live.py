@@ -1,22 +1,13 @@
 """Compaction inside a real exporter process (the unit tests: tests/unit/test_exporter_compaction.py)."""
 
 from __future__ import annotations
-import math
-import os
 import subprocess
 import sys
-import threading
-import time
-from pathlib import Path
 import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
-from rankscope.contract.rundir import (RANKS_SUBDIR, Registration, load_registrations, process_start_ticks,
-                                       remove_previous_launch)
-from rankscope.exporter.compaction import Compactor
-from rankscope.exporter.config import ExporterConfig
-from rankscope.exporter.ranks import RankCollector
+from rankscope.contract.rundir import load_registrations
 from rankscope.exporter.reader import Reader
-from tests.unit.test_exporter_reader import Proc, canon, files_of
+from tests.unit.test_exporter_reader import canon, files_of
 
 from tests.unit.test_exporter_compaction import (FARM, MONOTONIC, assert_same_counts)  # noqa: F401 - fixtures too
 

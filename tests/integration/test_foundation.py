@@ -12,7 +12,7 @@ import time
 import pytest
 
 from rankscope.exporter.catalog import RANK_STATES
-from tests.helpers.jobs import TrainJob, select, value, wait_until
+from tests.helpers.jobs import TrainJob, select, value
 from rankscope.contract import catalog
 
 RANKS = ("0", "1")

@@ -4,12 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import pytest
-import torch
-from prometheus_client.multiprocess import MultiProcessCollector
-from rankscope import Monitor
-from rankscope.integrations.events import EventSteps
 
 from tests.unit.test_integrations_api import (LAUNCH_VARS, UNCAUGHT_IN_OPEN_STEP, read_run)  # noqa: F401 - fixtures too
 

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import tempfile
 import urllib.request
-from pathlib import Path
 
 from tests.helpers.jobs import REPO, free_port, scrape, value, wait_until
 

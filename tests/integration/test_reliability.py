@@ -312,7 +312,6 @@ def test_otlp_collector_down_then_up(tmp_path: Path):
     endpoint, training runs and spans_dropped_total rises; once a collector
     listens there, spans arrive (within 30 s: gRPC reconnect backoff) and the
     drop counter stops rising."""
-    from tests.helpers.otlp_receiver import OtlpReceiver
 
     port = free_port()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "RANKSCOPE_TRACE_EVERY": "1"}

@@ -41,7 +41,7 @@ from prometheus import generate
 from tests.helpers.paging import alertmanager_config
 from tests.helpers.promstack import (AlertmanagerServer, PrometheusServer, WebhookReceiver, firing_alerts,
                                      http_get_json)
-from tests.integration.test_dashboard_queries import all_targets, all_variable_queries, interpolate, DASHBOARDS
+from tests.integration.test_dashboard_queries import all_targets, interpolate, DASHBOARDS
 
 ROOT = Path(__file__).resolve().parents[2]
 INTERVAL_S = 15

@@ -38,10 +38,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers.otlp_receiver import OtlpReceiver
-from tests.helpers.promstack import PrometheusServer, free_port, poll
+from tests.helpers.promstack import poll
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

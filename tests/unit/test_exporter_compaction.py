@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,8 +22,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from rankscope.contract.rundir import (RANKS_SUBDIR, Registration, load_registrations, process_start_ticks,
-                                       remove_previous_launch)
+from rankscope.contract.rundir import (Registration, load_registrations, process_start_ticks, remove_previous_launch)
 from rankscope.exporter.compaction import Compactor
 from rankscope.exporter.config import ExporterConfig
 from rankscope.exporter.ranks import RankCollector

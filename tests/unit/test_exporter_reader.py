@@ -18,7 +18,6 @@ import os
 import time
 from pathlib import Path
 
-import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, values
 from prometheus_client.exposition import generate_latest, make_wsgi_app
 from prometheus_client.multiprocess import MultiProcessCollector

@@ -6,7 +6,6 @@ tests/integration/test_integrations_lightning.py run real ones).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time

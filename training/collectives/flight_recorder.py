@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Mapping
 
+from rankscope.contract.rundir import FLIGHT_RECORDER_SUBDIR
+
 log = logging.getLogger("rankscope")
 
 RING_DEFAULT = 2000   # entries torch keeps when neither variable is set (torch >= 2.11)
@@ -23,7 +25,7 @@ RING_DEFAULT = 2000   # entries torch keeps when neither variable is set (torch 
 
 class FlightRecorder:
     def __init__(self, run_dir: Path, rank: int, after_s: float, ring: int = RING_DEFAULT):
-        self._directory = run_dir / "flight-recorder"
+        self._directory = run_dir / FLIGHT_RECORDER_SUBDIR
         self._rank = rank
         self._after_s = after_s
         self._ring = ring

@@ -30,6 +30,7 @@ from pathlib import Path
 
 RANKS_SUBDIR = "ranks"
 EVIDENCE_SUBDIR = "evidence"
+FLIGHT_RECORDER_SUBDIR = "flight-recorder"   # a rank's flight-recorder dumps, <name>_rank_<rank>
 EXPORTER_FILE = "exporter.json"
 
 
