@@ -112,6 +112,23 @@ EXPORTER_METRICS: tuple[MetricSpec, ...] = (
     _node("rankscope_gpu_xid_errors_total", "counter", "Critical XID error events seen by this exporter.",
           GPU_LABELS),
     _node("rankscope_gpu_last_xid", "gauge", "Code of the last critical XID error seen; 0 if none.", GPU_LABELS),
+    # the node's network (rankscope.exporter.network): links, not ranks
+    _node("rankscope_node_network_up", "gauge", "1 while the network device is up (operstate up, or unknown with a "
+          "carrier), else 0.", ("node", "device")),
+    _node("rankscope_node_network_carrier_changes_total", "counter",
+          "Times the device's carrier (link) went down or up since it was created: a flapping port.",
+          ("node", "device")),
+    _node("rankscope_node_network_errors_total", "counter", "Receive or transmit errors of the network device.",
+          ("node", "device", "direction")),
+    _node("rankscope_node_infiniband_link_downed_total", "counter",
+          "Times the InfiniBand port's link went down (link_downed).", ("node", "device", "port")),
+    _node("rankscope_node_infiniband_errors_total", "counter", "InfiniBand port error counters, by counter name.",
+          ("node", "device", "port", "type")),
+    _node("rankscope_node_tcp_segments_sent_total", "counter", "TCP segments the node sent (/proc/net/snmp OutSegs).",
+          ("node",)),
+    _node("rankscope_node_tcp_segments_retransmitted_total", "counter",
+          "TCP segments the node retransmitted (RetransSegs): a degraded link or NIC under gloo or NCCL sockets.",
+          ("node",)),
     # the exporter itself
     _node("rankscope_exporter_info", "gauge", "Exporter identity (value 1).", ("node", "version", "directory")),
     _node("rankscope_exporter_collector_success", "gauge", "1 if the collector's last run succeeded.",

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "series per rank), node-buckets (sum-count plus buckets summed per node and run, as "
                    f"rankscope_node_*); docs/scaling.md {default('rank_histograms')}")
     p.add_argument("--no-nvml", action="store_true", help="do not read GPUs through NVML")
+    p.add_argument("--no-network", action="store_true", help="do not read the node's network devices and TCP "
+                   "counters (links named in network alerts; docs/runbook.md)")
+    p.add_argument("--network-excluded-devices", metavar="REGEX",
+                   help=f"network devices left out, a regular expression over the whole name {default('network_excluded_devices')}")
     p.add_argument("--no-evidence", action="store_true", help="capture no evidence of ranks that stop making "
                    "progress (stacks, collectives, process and device state, tracebacks; docs/runbook.md)")
     p.add_argument("--evidence-max-episodes", type=int,
@@ -81,7 +85,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         stuck_after_s=args.stuck_after, frozen_after_s=args.frozen_after, suspect_after_s=args.suspect_after,
         retention_s=args.retention, compact_after_s=args.compact_after, exit_when_idle_s=args.exit_when_idle,
         rank_histograms=args.rank_histograms, nvml=False if args.no_nvml else None, web_config=args.web_config,
-        evidence=False if args.no_evidence else None, evidence_max_episodes=args.evidence_max_episodes)
+        evidence=False if args.no_evidence else None, evidence_max_episodes=args.evidence_max_episodes,
+        network=False if args.no_network else None, network_excluded_devices=args.network_excluded_devices)
 
 
 def main(argv: list[str] | None = None) -> int:

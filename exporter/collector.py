@@ -20,6 +20,7 @@ from rankscope.exporter import __version__
 from rankscope.exporter.catalog import BY_NAME, RANK_STATES
 from rankscope.exporter.config import ExporterConfig
 from rankscope.exporter.evidence import EvidenceKeeper
+from rankscope.exporter.network import NetworkCollector
 from rankscope.exporter.nvml import NvmlCollector
 from rankscope.exporter.ranks import RankCollector
 
@@ -30,6 +31,7 @@ COLLECTORS: dict[str, Callable[[ExporterConfig], Collector | None]] = {
     "ranks": RankCollector,
     "nvml": lambda cfg: NvmlCollector(cfg.node) if cfg.nvml else None,
     "evidence": lambda cfg: EvidenceKeeper(cfg) if cfg.evidence else None,
+    "network": lambda cfg: NetworkCollector(cfg.node, cfg.network_excluded_devices) if cfg.network else None,
 }
 
 

@@ -9,6 +9,7 @@ the variable the wrong value came from.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -16,6 +17,7 @@ from typing import Any, Mapping
 from rankscope.contract import environment
 from rankscope.contract.environment import DEFAULT_ADDR, DEFAULT_PORT, ConfigError, default_node, setting
 from rankscope.contract.rundir import default_metrics_dir
+from rankscope.exporter.network import DEFAULT_EXCLUDED_DEVICES
 
 
 # How per-rank histograms are served (rankscope.exporter.cardinality; docs/scaling.md, "Cardinality controls").
@@ -51,6 +53,12 @@ class ExporterConfig:
     """full: every bucket of every rank; sum-count: each per-rank histogram as its _sum and _count only;
     node-buckets: sum-count plus the buckets summed over the node's ranks (rankscope_node_*)."""
     nvml: bool = setting(default=True, option="--no-nvml")
+    network: bool = setting(default=True, option="--no-network")
+    """Read the node's network devices and TCP counters (rankscope.exporter.network)."""
+    network_excluded_devices: str = setting(default=DEFAULT_EXCLUDED_DEVICES,
+                                            env="RANKSCOPE_NETWORK_EXCLUDED_DEVICES",
+                                            option="--network-excluded-devices")
+    """Network devices left out (a regular expression over the whole name): virtual ones by default."""
     evidence: bool = setting(default=True, option="--no-evidence")
     """Capture evidence of a rank that stops making progress (rankscope.exporter.evidence)."""
     evidence_max_episodes: int = setting(default=16, env="RANKSCOPE_EVIDENCE_MAX_EPISODES",
@@ -74,6 +82,10 @@ class ExporterConfig:
         if self.rank_histograms not in RANK_HISTOGRAM_MODES:
             raise ExporterConfigError(f"must be one of {', '.join(RANK_HISTOGRAM_MODES)}, got {self.rank_histograms!r}",
                                       field="rank_histograms")
+        try:
+            re.compile(self.network_excluded_devices)
+        except re.error as e:
+            raise ExporterConfigError(f"not a regular expression: {e}", field="network_excluded_devices") from None
         if self.directory.exists() and not self.directory.is_dir():
             raise ExporterConfigError(f"{self.directory} exists and is not a directory", field="directory")
 

@@ -18,8 +18,9 @@ from rankscope.exporter.config import RANK_HISTOGRAM_MODES, ExporterConfig
 def count_series(directory, mode: str) -> dict[str, dict]:
     """Series a node's exporter would serve in ``mode`` for the runs in ``directory``, per run:
     ``per_rank`` {rank: series with that rank label}, ``node`` (the run's series without a rank label:
-    node histograms). Key ``""``: the exporter's own series (its derived per-state counts, info, health), no NVML."""
-    collector = NodeCollector(ExporterConfig(directory=Path(directory), nvml=False, rank_histograms=mode))
+    node histograms). Key ``""``: the exporter's own series (its derived per-state counts, info, health), no NVML
+    and no network (their series depend on the node's GPUs and NICs: docs/scaling.md counts them apart)."""
+    collector = NodeCollector(ExporterConfig(directory=Path(directory), nvml=False, network=False, rank_histograms=mode))
     out: dict[str, dict] = {"": {"per_rank": {}, "node": 0}}
     for metric in collector.collect():
         for s in metric.samples:

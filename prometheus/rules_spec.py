@@ -293,7 +293,41 @@ SEQ_BEHIND = (
 COLLECTIVE_BEHIND = (
     SEQ_BEHIND + "\n"
     "and on (run, rank) (rankscope_step_stalled_seconds{SEL} > <<collective_behind_wait_seconds>>)\n"
-    "unless on (run, rank) (rankscope_rank_state{SEL,state=\"frozen\"} == 1)")
+    "unless on (run, rank) (rankscope_rank_state{SEL,state=~\"frozen|stuck_in_collective\"} == 1)")
+# (Its exporter says a rank behind is waiting inside a collective itself: it issued it, and
+# is blocked like its peers. When a link between nodes goes down, gloo leaves the ranks on
+# one side a collective or two behind the other side's, all of them waiting: no culprit.)
+
+# Every visible rank of the run blocked inside a collective past the peers' wait bar, and no
+# rank outside one: no rank is the culprit. What is left is between them: the network (a
+# link, a NIC, a switch port) or the communication library. Not where a rank of the run has
+# vanished with its exporter (a lost node, an exporter down: the culprit may be there).
+NETWORK_STALL = (
+    "count by (run) (rankscope_rank_state{SEL,state=\"stuck_in_collective\"} == 1) > 1\n"
+    "unless on (run) (rankscope_rank_state{SEL,state!=\"stuck_in_collective\"} == 1)\n"
+    "and on (run) (\n"
+    "  min by (run) (max by (run, rank) (rankscope_collective_in_flight_seconds{SEL}))\n"
+    "  > <<hang_peer_wait_seconds>>\n"
+    ")\n"
+    "unless on (run) (\n"
+    "  max_over_time(rankscope_rank_up{SEL}[<<node_lost_window>>])\n"
+    "  unless on (run, rank) rankscope_rank_up{SEL}\n"
+    ")")
+NETWORK_STALL_RECORD = "run:rankscope_ranks:blocked_in_collectives"
+
+# A node retransmitting a share of its TCP segments (gloo, NCCL over sockets) while the
+# ranks of a run on it spend most of their step waiting in communication: its link or NIC
+# is degraded, and every rank of the run slows with it (their compute is not to blame).
+RETRANSMIT_RATIO_RECORD = "node:rankscope_tcp_segments:retransmit_ratio"
+RETRANSMIT_RATIO = (
+    "rate(rankscope_node_tcp_segments_retransmitted_total{SEL}[<<rate_window>>])\n"
+    "/ (rate(rankscope_node_tcp_segments_sent_total{SEL}[<<rate_window>>]) > 0)\n"
+    "and on (node) (rate(rankscope_node_tcp_segments_retransmitted_total{SEL}[<<rate_window>>])"
+    " > <<tcp_retransmit_min_per_second>>)")
+NETWORK_DEGRADED = (
+    "max by (run, node) (rank_phase:rankscope_phase_seconds:fraction{phase=\"comm_wait\"})"
+    " > <<comm_bound_ratio>>\n"
+    "and on (node) (" + RETRANSMIT_RATIO_RECORD + " > <<tcp_retransmit_ratio>>)")
 SEQ_BEHIND_RECORD = "rank_group:rankscope_process_group_seq:behind"
 
 
@@ -307,7 +341,7 @@ def cause(name: str, alert: str, condition: str) -> Record:
 
 
 # Causes whose peers stall: a dead, lost, hung or frozen rank blocks the others.
-STALL_CAUSES = "rank_down|node_lost|hang_suspect|frozen|collective_behind"
+STALL_CAUSES = "rank_down|node_lost|hang_suspect|frozen|collective_behind|network_stall"
 # Causes that explain a low goodput and page or warn for it themselves: a dead,
 # lost, hung or frozen rank, a stall (the ranks' time goes to idle), an
 # input-bound rank (its time goes to data_wait). A straggler does not lower
@@ -450,6 +484,10 @@ RECORDING_RULES: tuple[Record, ...] = (
     cause("stalled", "RankscopeRunStalled", STALLED_RECORD),
     cause("straggler", "RankscopeStraggler", STRAGGLER),
     cause("input_bound", "RankscopeInputBound", INPUT_BOUND),
+    Record(NETWORK_STALL_RECORD, NETWORK_STALL),
+    cause("network_stall", "RankscopeNetworkStall", NETWORK_STALL_RECORD),
+    Record(RETRANSMIT_RATIO_RECORD, RETRANSMIT_RATIO),
+    cause("network_degraded", "RankscopeNetworkDegraded", NETWORK_DEGRADED),
     # ---- the rank using each GPU (read by the GPU alerts of the same group) ----
     Record(GPU_RANK_LIVE, gpu_rank_map("rankscope_rank_up{SEL} == 1")),
     Record(GPU_RANK_PROGRESSING, gpu_rank_map("rankscope_rank_state{SEL,state=\"progressing\"} == 1")),
@@ -564,6 +602,29 @@ ALERTS: tuple[Alert, ...] = (
           "{{ with printf `max(rankscope_process_group_last_enqueued_seq{SEL,run=\"%s\",group_id=\"%s\"})` "
           "$labels.run $labels.group_id | query }}seq {{ . | first | value }}{{ end }}. "
           "This rank has not issued that collective: it is the likely culprit." + EVIDENCE),
+    # Every rank blocked inside a collective, none outside: no rank to blame.
+    Alert("RankscopeNetworkStall",
+          NETWORK_STALL_RECORD,
+          "critical",
+          "Run {{ $labels.run }} is blocked in the network: all {{ $value }} ranks wait inside collectives",
+          "Every rank of run {{ $labels.run }} ({{ $value }}, on nodes "
+          "{{ range $i, $s := printf `count by (node) (rankscope_rank_state{SEL,run=\"%s\",state=\"stuck_in_collective\"}"
+          " == 1)` $labels.run | query | sortByLabel \"node\" }}{{ if $i }}, {{ end }}{{ $s.Labels.node }}{{ end }}) "
+          "has waited inside a collective for over <<hang_peer_wait_seconds>>s"
+          "{{ with printf `topk(1, max by (op) (rankscope_collective_in_flight_seconds{SEL,run=\"%s\"}))` $labels.run "
+          "| query }}{{ range . }} ({{ .Labels.op }}, {{ .Value | humanizeDuration }}){{ end }}{{ end }}, and none "
+          "is outside one: no rank is the culprit. The collective stopped between them: suspect the network (a "
+          "link, NIC or switch port between these nodes) or the communication library."
+          "{{ with printf `min by (node, group) (rankscope_process_group_last_enqueued_seq{SEL,run=\"%s\"})`"
+          " $labels.run | query | sortByLabel \"node\" }} Per node, the last collective its ranks enqueued:"
+          "{{ range $i, $s := . }}{{ if $i }},{{ end }} {{ $s.Labels.node }} {{ $s.Labels.group }} seq {{ $s.Value }}"
+          "{{ end }}.{{ end }}"
+          "{{ with printf `rankscope_node_network_up{SEL} == 0 and on (node) (max_over_time(rankscope_node_network_up"
+          "{SEL}[1h]) == 1)` | query }} Links down now:{{ range . }} {{ .Labels.node }} {{ .Labels.device }}"
+          "{{ end }}.{{ end }}"
+          "{{ with printf `sum by (node, device) (changes(rankscope_node_network_carrier_changes_total{SEL}[15m])) > 0`"
+          " | query | sortByLabel \"node\" }} Links that went down or up in the last 15 minutes:{{ range $i, $s := . }}"
+          "{{ if $i }},{{ end }} {{ $s.Labels.node }} {{ $s.Labels.device }}{{ end }}.{{ end }}"),
     # The victims of a dead, lost, hung or frozen rank stall too: the cause's own
     # alert pages for the run, this one only when no cause is known.
     Alert("RankscopeRunStalled",
@@ -642,7 +703,7 @@ ALERTS: tuple[Alert, ...] = (
     Alert("RankscopeStraggler",
           # A hung, frozen, dead or lost rank stops its peers too: their compute
           # per step is then meaningless, and the cause already pages.
-          STRAGGLER + f"\nunless on (run) run:rankscope_cause:present{{cause=~\"{STALL_CAUSES}\"}}",
+          STRAGGLER + f"\nunless on (run) run:rankscope_cause:present{{cause=~\"{STALL_CAUSES}|network_degraded\"}}",
           "warning",
           "Straggler in run {{ $labels.run }}: rank {{ $labels.rank }} on node {{ $labels.node }}",
           "In " + WHO + ", compute takes {{ printf `%.2g` $value }}x the median of its peers per step ("
@@ -650,6 +711,20 @@ ALERTS: tuple[Alert, ...] = (
           "$labels.rank | query }}{{ . | first | value | humanizeDuration }}{{ end }} against "
           "{{ with printf `run:rankscope_phase_seconds:compute_per_step_peer_median{run=\"%s\"}` $labels.run | query }}"
           "{{ . | first | value | humanizeDuration }}{{ end }}); its peers wait for it in every collective."),
+    Alert("RankscopeNetworkDegraded",
+          NETWORK_DEGRADED,
+          "warning",
+          "Run {{ $labels.run }} waits on the network of node {{ $labels.node }}",
+          "The ranks of run {{ $labels.run }} on node {{ $labels.node }} spend {{ $value | humanizePercentage }} "
+          "of their step waiting in communication, and node {{ $labels.node }} retransmits "
+          "{{ with printf `" + RETRANSMIT_RATIO_RECORD + "{node=\"%s\"}` $labels.node | query }}"
+          "{{ . | first | value | humanizePercentage }}{{ end }} of its TCP segments: suspect its link or NIC "
+          "(or the switch port it is on), not the ranks' compute."
+          "{{ with printf `max by (node) (rate(rankscope_node_tcp_segments_retransmitted_total{SEL,node!=\"%s\"}"
+          "[<<rate_window>>]) / rate(rankscope_node_tcp_segments_sent_total{SEL}[<<rate_window>>])"
+          " * on (node) group_left () max by (node) (rankscope_rank_state{SEL,run=\"%s\"}))` $labels.node "
+          "$labels.run | query | sortByLabel \"node\" }} The run's other nodes retransmit:{{ range $i, $s := . }}"
+          "{{ if $i }},{{ end }} {{ $s.Labels.node }} {{ $s.Value | humanizePercentage }}{{ end }}.{{ end }}"),
     Alert("RankscopeInputBound",
           INPUT_BOUND,
           "warning",
@@ -787,6 +862,8 @@ RULE_GROUPS: tuple[Group, ...] = (
     Group("rankscope.recording.phase_fractions", (
         "rank_phase:rankscope_phase_seconds:fraction",
         _cause("input_bound"),
+        RETRANSMIT_RATIO_RECORD,
+        _cause("network_degraded"),
     ), WARNING),
     # Summaries that no alert's expression reads, every minute: the step-time p90
     # from every rank's histogram buckets (18 series per rank, a fifth of the samples
@@ -848,6 +925,9 @@ RULE_GROUPS: tuple[Group, ...] = (
         SEQ_BEHIND_RECORD,
         _cause("collective_behind"),
         "RankscopeCollectiveBehind",
+        NETWORK_STALL_RECORD,
+        _cause("network_stall"),
+        "RankscopeNetworkStall",
     )),
     Group("rankscope.alerts.liveness", (
         "RankscopeRankDown",
@@ -880,6 +960,7 @@ RULE_GROUPS: tuple[Group, ...] = (
         "RankscopeExporterCollectorFailing",
     ), WARNING),
     Group("rankscope.alerts.bottlenecks", (
+        "RankscopeNetworkDegraded",
         "RankscopeStraggler",
         "RankscopeInputBound",
         "RankscopeCommunicationBound",
