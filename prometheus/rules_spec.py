@@ -298,17 +298,22 @@ COLLECTIVE_BEHIND = (
 # is blocked like its peers. When a link between nodes goes down, gloo leaves the ranks on
 # one side a collective or two behind the other side's, all of them waiting: no culprit.)
 
-# Every visible rank of the run blocked inside a collective past the peers' wait bar, and no
-# rank outside one: no rank is the culprit. What is left is between them: the network (a
-# link, a NIC, a switch port) or the communication library. Not where a rank of the run has
+# Every live rank of the run has waited inside a collective past the peers' wait bar, and
+# none is outside one: no rank is the culprit. What is left is between them: the network (a
+# link, a NIC, a switch port) or the communication library. Read from the waits themselves
+# (the exporter's rank states add --stuck-after, 30 s, before they say stuck_in_collective).
+# Not while a rank of the run is down or frozen (a cause with its own page), nor where one has
 # vanished with its exporter (a lost node, an exporter down: the culprit may be there).
 NETWORK_STALL = (
-    "count by (run) (rankscope_rank_state{SEL,state=\"stuck_in_collective\"} == 1) > 1\n"
-    "unless on (run) (rankscope_rank_state{SEL,state!=\"stuck_in_collective\"} == 1)\n"
-    "and on (run) (\n"
-    "  min by (run) (max by (run, rank) (rankscope_collective_in_flight_seconds{SEL}))\n"
-    "  > <<hang_peer_wait_seconds>>\n"
+    "count by (run) (\n"
+    "  max by (run, rank) (rankscope_collective_in_flight_seconds{SEL}) > <<hang_peer_wait_seconds>>\n"
+    ") > 1\n"
+    "unless on (run) (\n"
+    "  rankscope_rank_up{SEL} == 1\n"
+    "  unless on (run, rank) (max by (run, rank) (rankscope_collective_in_flight_seconds{SEL})"
+    " > <<hang_peer_wait_seconds>>)\n"
     ")\n"
+    "unless on (run) (rankscope_rank_up{SEL} == 0 or rankscope_rank_state{SEL,state=\"frozen\"} == 1)\n"
     "unless on (run) (\n"
     "  max_over_time(rankscope_rank_up{SEL}[<<node_lost_window>>])\n"
     "  unless on (run, rank) rankscope_rank_up{SEL}\n"
@@ -316,8 +321,9 @@ NETWORK_STALL = (
 NETWORK_STALL_RECORD = "run:rankscope_ranks:blocked_in_collectives"
 
 # A node retransmitting a share of its TCP segments (gloo, NCCL over sockets) while the
-# ranks of a run on it spend most of their step waiting in communication: its link or NIC
-# is degraded, and every rank of the run slows with it (their compute is not to blame).
+# ranks on it of a run across nodes spend most of their step waiting in communication: its
+# link or NIC is degraded, and every rank of the run slows with it (their compute is not to
+# blame).
 RETRANSMIT_RATIO_RECORD = "node:rankscope_tcp_segments:retransmit_ratio"
 RETRANSMIT_RATIO = (
     "rate(rankscope_node_tcp_segments_retransmitted_total{SEL}[<<rate_window>>])\n"
@@ -327,7 +333,10 @@ RETRANSMIT_RATIO = (
 NETWORK_DEGRADED = (
     "max by (run, node) (rank_phase:rankscope_phase_seconds:fraction{phase=\"comm_wait\"})"
     " > <<comm_bound_ratio>>\n"
-    "and on (node) (" + RETRANSMIT_RATIO_RECORD + " > <<tcp_retransmit_ratio>>)")
+    "and on (node) (" + RETRANSMIT_RATIO_RECORD + " > <<tcp_retransmit_ratio>>)\n"
+    # Only a run across nodes: a one-node run's collectives never cross the node's NIC (loopback,
+    # shared memory, NVLink), and its peers' wait for a straggler is not the network's.
+    "and on (run) (count by (run) (count by (run, node) (rankscope_rank_up{SEL})) > 1)")
 SEQ_BEHIND_RECORD = "rank_group:rankscope_process_group_seq:behind"
 
 
@@ -608,8 +617,8 @@ ALERTS: tuple[Alert, ...] = (
           "critical",
           "Run {{ $labels.run }} is blocked in the network: all {{ $value }} ranks wait inside collectives",
           "Every rank of run {{ $labels.run }} ({{ $value }}, on nodes "
-          "{{ range $i, $s := printf `count by (node) (rankscope_rank_state{SEL,run=\"%s\",state=\"stuck_in_collective\"}"
-          " == 1)` $labels.run | query | sortByLabel \"node\" }}{{ if $i }}, {{ end }}{{ $s.Labels.node }}{{ end }}) "
+          "{{ range $i, $s := printf `count by (node) (rankscope_rank_up{SEL,run=\"%s\"} == 1)` $labels.run | query "
+          "| sortByLabel \"node\" }}{{ if $i }}, {{ end }}{{ $s.Labels.node }}{{ end }}) "
           "has waited inside a collective for over <<hang_peer_wait_seconds>>s"
           "{{ with printf `topk(1, max by (op) (rankscope_collective_in_flight_seconds{SEL,run=\"%s\"}))` $labels.run "
           "| query }}{{ range . }} ({{ .Labels.op }}, {{ .Value | humanizeDuration }}){{ end }}{{ end }}, and none "

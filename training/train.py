@@ -93,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f.add_argument("--leak-max-mb", type=float, default=2048.0, metavar="MB", help="stop leaking at this total")
     f.add_argument("--oom-at", type=int, default=None, metavar="STEP", help="raise an out-of-memory error at STEP")
     f.add_argument("--crash-at", type=int, default=None, metavar="STEP", help="SIGKILL the rank at STEP")
+    f.add_argument("--device-error-at", type=int, default=None, metavar="STEP",
+                   help="raise the error torch raises for a faulty GPU (an illegal memory access) at STEP")
     f.add_argument("--raise-at", type=int, default=None, metavar="STEP",
                    help="raise an exception (a data error) in the loop at STEP")
     f.add_argument("--hang-at", type=int, default=None, metavar="STEP", help="hang before the collective of STEP")
@@ -261,6 +263,9 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.at("raise_at", step):
             raise ValueError(f"injected: corrupt sample in batch of step {step}")
+        if self.at("device_error_at", step):   # what a faulty GPU's kernel leaves for the next synchronising call
+            raise torch.AcceleratorError("injected: CUDA error: an illegal memory access was encountered\n"
+                                         "CUDA kernel errors might be asynchronously reported at some other API call")
         if self.on and a.slow_rank_delay:
             time.sleep(a.slow_rank_delay)
         if self.on and a.leak_mb_per_step and step >= a.leak_from and len(self.leaked) * a.leak_mb_per_step < a.leak_max_mb:

@@ -84,10 +84,13 @@ class TrainJob:
     def __init__(self, nproc: int = 2, steps: int = 300, extra_args: Iterable[str] = (),
                  env: dict[str, str] | None = None, port: int | None = None, metrics_dir: Path | None = None,
                  run_id: str | None = None, nodes: tuple[int, int, int] | None = None,
-                 wrap: list[str] | None = None):
+                 wrap: list[str] | None = None, host: str = "127.0.0.1", master_addr: str = "127.0.0.1"):
         """``nodes``: (node count, this node's rank, rendezvous port) to act as one node of a
-        multi-node job on loopback (static rendezvous; node 0 hosts the store). ``wrap``: a
-        command prefix that execs the rest (e.g. one that joins a cgroup first)."""
+        multi-node job (static rendezvous at ``master_addr``, where node 0 hosts the store).
+        ``wrap``: a command prefix that execs the rest (e.g. one that joins a cgroup or a network
+        namespace first). ``host``: where this process reaches the job's exporter."""
+        self.host = host
+        self.master_addr = master_addr
         self.nodes = nodes
         self.wrap = list(wrap or [])
         self.nproc = nproc
@@ -98,7 +101,7 @@ class TrainJob:
         self._own_dir = metrics_dir is None
         self.metrics_dir = Path(metrics_dir or tempfile.mkdtemp(prefix="rankscope-test-"))
         self.run_id = run_id or f"test-{self.port}"
-        self.url = f"http://127.0.0.1:{self.port}/metrics"
+        self.url = f"http://{host}:{self.port}/metrics"
         self.proc: subprocess.Popen | None = None
         self.exporter_pid: int | None = None
         self.log_path = self.metrics_dir.parent / f"{self.metrics_dir.name}.torchrun.log"
@@ -110,7 +113,7 @@ class TrainJob:
             launch = ["--standalone"]
         else:
             count, node_rank, rdzv_port = self.nodes
-            launch = ["--nnodes", str(count), "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
+            launch = ["--nnodes", str(count), "--node-rank", str(node_rank), "--master-addr", self.master_addr,
                       "--master-port", str(rdzv_port), "--rdzv-id", self.run_id]
         return [*self.wrap, sys.executable, "-m", "torch.distributed.run", *launch, "--nproc-per-node", str(self.nproc),
                 "-m", "rankscope.train", "--steps", str(self.steps), "--metrics-port", str(self.port),
@@ -168,13 +171,13 @@ class TrainJob:
 
     def _health_pid(self) -> int | None:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as resp:
+            with urllib.request.urlopen(f"http://{self.host}:{self.port}/healthz", timeout=2) as resp:
                 return int(json.loads(resp.read())["pid"])
         except Exception:
             return None
 
     def health(self) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as resp:
+        with urllib.request.urlopen(f"http://{self.host}:{self.port}/healthz", timeout=2) as resp:
             doc = json.loads(resp.read())
         self.exporter_pid = int(doc["pid"])
         return doc
