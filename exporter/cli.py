@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"seconds without a step before a live rank is stuck {default('stuck_after_s')}")
     p.add_argument("--frozen-after", type=float,
                    help=f"seconds without a heartbeat before a live rank is frozen {default('frozen_after_s')}")
+    p.add_argument("--stuck-after-steps", type=float, help="... and for this many of the rank's own recent step "
+                   f"times (long steps are not hangs) {default('stuck_after_steps')}")
     p.add_argument("--suspect-after", type=float, help="seconds peers wait in a collective before a rank outside it "
                    f"is a hang suspect {default('suspect_after_s')}")
     p.add_argument("--retention", type=float, help="seconds a finished or dead run is still served, "
@@ -82,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> ExporterConfig:
     return ExporterConfig.from_env(
         env, directory=args.dir, addr=args.addr, port=args.port, node=args.node,
-        stuck_after_s=args.stuck_after, frozen_after_s=args.frozen_after, suspect_after_s=args.suspect_after,
+        stuck_after_s=args.stuck_after, stuck_after_steps=args.stuck_after_steps, frozen_after_s=args.frozen_after, suspect_after_s=args.suspect_after,
         retention_s=args.retention, compact_after_s=args.compact_after, exit_when_idle_s=args.exit_when_idle,
         rank_histograms=args.rank_histograms, nvml=False if args.no_nvml else None, web_config=args.web_config,
         evidence=False if args.no_evidence else None, evidence_max_episodes=args.evidence_max_episodes,

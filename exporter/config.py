@@ -37,6 +37,9 @@ class ExporterConfig:
     node: str = setting(default_factory=default_node, env="RANKSCOPE_NODE", option="--node")
     stuck_after_s: float = setting(default=30.0, env="RANKSCOPE_STUCK_AFTER_S", option="--stuck-after")
     """No step completed for this long while the heartbeat is live: stuck."""
+    stuck_after_steps: float = setting(default=3.0, env="RANKSCOPE_STUCK_AFTER_STEPS", option="--stuck-after-steps")
+    """... and for this many of the rank's own recent step times (the longest of its last 16): a job
+    with 45 s steps is not stuck between two steps, and its hang is found within 3 steps."""
     frozen_after_s: float = setting(default=10.0, env="RANKSCOPE_FROZEN_AFTER_S", option="--frozen-after")
     """Heartbeat older than this while the process is alive: frozen."""
     suspect_after_s: float = setting(default=10.0, env="RANKSCOPE_SUSPECT_AFTER_S", option="--suspect-after")
@@ -70,7 +73,7 @@ class ExporterConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ExporterConfigError(f"{self.port} is not a TCP port (1-65535)", field="port")
-        for name in ("stuck_after_s", "frozen_after_s", "suspect_after_s", "retention_s"):
+        for name in ("stuck_after_s", "stuck_after_steps", "frozen_after_s", "suspect_after_s", "retention_s"):
             if not getattr(self, name) > 0:
                 raise ExporterConfigError(f"must be > 0, got {getattr(self, name)!r}", field=name)
         if not self.compact_after_s >= 0:

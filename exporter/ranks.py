@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -46,6 +47,12 @@ class RankView:
     ops: list[str] = field(default_factory=lambda: list(EAGER_COLLECTIVE_OPS))   # ops the rank has used
     state: str = "starting"
     suspect: bool = False
+    step_time: float = 0.0   # the longest of the rank's recent steps (RecentStepTimes)
+
+    def stuck_after(self, cfg: ExporterConfig) -> float:
+        """How long without a step is stuck for this rank: the configured floor, or a few of
+        its own recent steps where those are longer (long steps are not hangs)."""
+        return max(cfg.stuck_after_s, cfg.stuck_after_steps * self.step_time)
 
 
 def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> None:
@@ -58,7 +65,7 @@ def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> Non
             v.state = "dead"
         elif process_state(v.reg.pid) == "T" or (v.heartbeat and now - v.heartbeat > cfg.frozen_after_s):
             v.state = "frozen"
-        elif stalled > cfg.stuck_after_s:
+        elif stalled > v.stuck_after(cfg):
             v.state = "stuck_in_collective" if v.in_flight else "stuck"
         elif not v.last_step:
             v.state = "starting"
@@ -73,7 +80,33 @@ def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> Non
         if v.state in ("dead", "finished"):
             continue
         outside = not v.in_flight or v.state == "frozen"
-        v.suspect = outside and stalled > cfg.suspect_after_s
+        # Between two long steps a rank is outside any collective for a while: not a suspect.
+        v.suspect = outside and stalled > max(cfg.suspect_after_s, cfg.stuck_after_steps * v.step_time)
+
+
+class RecentStepTimes:
+    """Each rank process's recent step durations, one per step the exporter saw end (from its
+    last-step gauges), so that a rank's own pace sets how long a pause is a stall."""
+
+    KEEP = 16
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, int, int], deque[tuple[float, float]]] = {}
+        self._lock = threading.Lock()
+
+    def longest(self, run_dir: Path, reg: Registration, last_step_at: float, duration: float) -> float:
+        """Note the rank's last step (once per step) and return the longest recent one."""
+        with self._lock:
+            seen = self._seen.setdefault((str(run_dir), reg.rank, reg.pid), deque(maxlen=self.KEEP))
+            if duration > 0 and last_step_at and (not seen or seen[-1][0] != last_step_at):
+                seen.append((last_step_at, duration))
+            return max((d for _, d in seen), default=0.0)
+
+    def forget_except(self, run_dirs: Iterable[Path]) -> None:
+        keep = {str(p) for p in run_dirs}
+        with self._lock:
+            for key in [k for k in self._seen if k[0] not in keep]:
+                del self._seen[key]
 
 
 class RankCollector:
@@ -84,6 +117,7 @@ class RankCollector:
         self.evidence = evidence   # what it captured refines the states (a thread in its own code)
         self.state_counts: dict[str, int] = dict.fromkeys(RANK_STATES, 0)
         self.reader = Reader()
+        self.step_times = RecentStepTimes()
         # The scrape and the janitor (expired_run_dirs) share the reader's caches.
         self._lock = threading.Lock()
 
@@ -114,6 +148,7 @@ class RankCollector:
         run_dirs = self.run_dirs()
         with self._lock:
             self.reader.forget_except(run_dirs)
+        self.step_times.forget_except(run_dirs)
         for run_dir in run_dirs:
             views, merged = self._collect_run(run_dir, now)
             yield from reduce_histograms(merged, self.cfg.rank_histograms)
@@ -156,6 +191,8 @@ class RankCollector:
             v = RankView(reg=reg, alive=alive[(reg.rank, reg.pid)])
             v.heartbeat = index.get(("rankscope_heartbeat_timestamp_seconds",) + key, 0.0)
             v.last_step = index.get(("rankscope_last_step_timestamp_seconds",) + key, 0.0)
+            v.step_time = self.step_times.longest(
+                run_dir, reg, v.last_step, index.get(("rankscope_step_last_duration_seconds",) + key, 0.0))
             for op in COLLECTIVE_OPS:
                 flag = index.get(("rankscope_collective_in_flight",) + key + (op,))
                 if flag is not None and op not in v.ops:
@@ -210,6 +247,7 @@ def _last_seen(v: RankView) -> float:
 def _index(merged: Iterable[Metric]) -> dict[tuple, float]:
     """(metric name, run, rank[, op]) -> value, for the series the states are derived from."""
     wanted = {"rankscope_heartbeat_timestamp_seconds", "rankscope_last_step_timestamp_seconds",
+              "rankscope_step_last_duration_seconds",
               "rankscope_collective_in_flight", "rankscope_collective_started_timestamp_seconds"}
     out: dict[tuple, float] = {}
     for metric in merged:

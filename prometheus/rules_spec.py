@@ -303,7 +303,8 @@ COLLECTIVE_BEHIND = (
 # link, a NIC, a switch port) or the communication library. Read from the waits themselves
 # (the exporter's rank states add --stuck-after, 30 s, before they say stuck_in_collective).
 # Not while a rank of the run is down or frozen (a cause with its own page), nor where one has
-# vanished with its exporter (a lost node, an exporter down: the culprit may be there).
+# vanished with its exporter (a lost node, an exporter down: the culprit may be there), nor in
+# a one-node run.
 NETWORK_STALL = (
     "count by (run) (\n"
     "  max by (run, rank) (rankscope_collective_in_flight_seconds{SEL}) > <<hang_peer_wait_seconds>>\n"
@@ -317,7 +318,9 @@ NETWORK_STALL = (
     "unless on (run) (\n"
     "  max_over_time(rankscope_rank_up{SEL}[<<node_lost_window>>])\n"
     "  unless on (run, rank) rankscope_rank_up{SEL}\n"
-    ")")
+    ")\n"
+    # Across nodes only: on one node nothing crosses a network (RunStalled pages that stall).
+    "and on (run) (count by (run) (count by (run, node) (rankscope_rank_up{SEL})) > 1)")
 NETWORK_STALL_RECORD = "run:rankscope_ranks:blocked_in_collectives"
 
 # A node retransmitting a share of its TCP segments (gloo, NCCL over sockets) while the

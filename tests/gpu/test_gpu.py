@@ -369,6 +369,21 @@ def test_nvml_readings_against_nvidia_smi():
     assert ours["power_w"] == pytest.approx(float(power), rel=0.3, abs=20)   # read a moment apart
 
 
+def test_the_evidence_gpu_snapshot_of_a_rank_s_gpu():
+    """What an evidence capture holds of a stalled rank's GPU (rankscope.exporter.evidence):
+    NvmlCollector.snapshot by UUID, on a real GPU; an unknown UUID says so."""
+    from rankscope.exporter.nvml import NvmlCollector
+
+    collector = NvmlCollector(node="gpu-node")
+    assert collector.available, collector.error
+    uuid = next(s.labels["uuid"] for f in collector.collect() for s in f.samples if s.name == "rankscope_gpu_info")
+    snap = collector.snapshot(uuid)
+    record("evidence_gpu_snapshot", snap)
+    assert snap["uuid"] == uuid and snap["gpu"] == 0 and "error" not in snap
+    json.dumps(snap)   # it goes into a JSON capture as it is
+    assert collector.snapshot("GPU-not-here") == {"uuid": "GPU-not-here", "error": "no GPU of this node has this UUID"}
+
+
 # -- 6. NCCL collectives from ProcessGroupNCCL's own flight recorder ----------------------------
 
 def test_fsdp2_and_explicit_collectives_are_counted_from_the_nccl_recorder(nccl_group, tmp_path):

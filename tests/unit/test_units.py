@@ -234,6 +234,35 @@ def test_a_rank_that_ended_on_an_exception_is_dead_and_names_it(tmp_path):
     assert [(s.labels["rank"], s.labels["exception"], s.value) for s in info] == [("0", "OutOfMemoryError", 1.0)]
 
 
+def test_long_steps_are_not_hangs_but_a_hang_in_them_is_found_within_three_steps(tmp_path):
+    """A job whose steps take 45 s: 40 s after its last step a rank is in its next step (not
+    stuck, not a suspect while its peers sit in a long backward); 3 steps' time later it is."""
+    from rankscope.exporter.ranks import RecentStepTimes
+
+    cfg = ExporterConfig(directory=tmp_path, stuck_after_s=30, suspect_after_s=10)
+    now = time.time()
+    times = RecentStepTimes()
+
+    def rank(r: int, stalled: float, in_flight: bool, step_time: float = 45.0):
+        v = _view(r, heartbeat=now, last_step=now - stalled,
+                  in_flight={"all_reduce": now - stalled + 5} if in_flight else None)
+        for k in range(5):   # the exporter saw its last steps end, one per step
+            v.step_time = times.longest(tmp_path, v.reg, now - stalled - 45 * k, step_time - k)
+        return v
+
+    between = [rank(0, 40, True), rank(1, 40, False)]
+    derive_states(between, cfg, now)
+    assert [v.state for v in between] == ["progressing", "progressing"] and not any(v.suspect for v in between)
+    hung = [rank(2, 140, True), rank(3, 140, False)]
+    derive_states(hung, cfg, now)
+    assert [v.state for v in hung] == ["stuck_in_collective", "stuck"] and hung[1].suspect
+    short = [rank(4, 40, False, step_time=0.05)]   # a fast job keeps today's 30 s
+    derive_states(short, cfg, now)
+    assert short[0].state == "stuck"
+    times.forget_except([])
+    assert times.longest(tmp_path, short[0].reg, 0.0, 0.0) == 0.0
+
+
 def test_no_suspect_while_collectives_are_short(tmp_path):
     cfg = ExporterConfig(directory=tmp_path)
     now = time.time()
