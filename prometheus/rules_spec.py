@@ -294,6 +294,7 @@ COLLECTIVE_BEHIND = (
     SEQ_BEHIND + "\n"
     "and on (run, rank) (rankscope_step_stalled_seconds{SEL} > <<collective_behind_wait_seconds>>)\n"
     "unless on (run, rank) (rankscope_rank_state{SEL,state=~\"frozen|stuck_in_collective\"} == 1)")
+SEQ_BEHIND_RECORD = "rank_group:rankscope_process_group_seq:behind"
 # (Its exporter says a rank behind is waiting inside a collective itself: it issued it, and
 # is blocked like its peers. When a link between nodes goes down, gloo leaves the ranks on
 # one side a collective or two behind the other side's, all of them waiting: no culprit.)
@@ -340,7 +341,6 @@ NETWORK_DEGRADED = (
     # Only a run across nodes: a one-node run's collectives never cross the node's NIC (loopback,
     # shared memory, NVLink), and its peers' wait for a straggler is not the network's.
     "and on (run) (count by (run) (count by (run, node) (rankscope_rank_up{SEL})) > 1)")
-SEQ_BEHIND_RECORD = "rank_group:rankscope_process_group_seq:behind"
 
 
 def cause(name: str, alert: str, condition: str) -> Record:
@@ -631,11 +631,14 @@ ALERTS: tuple[Alert, ...] = (
           " $labels.run | query | sortByLabel \"node\" }} Per node, the last collective its ranks enqueued:"
           "{{ range $i, $s := . }}{{ if $i }},{{ end }} {{ $s.Labels.node }} {{ $s.Labels.group }} seq {{ $s.Value }}"
           "{{ end }}.{{ end }}"
+          # The run's nodes' links: down now (and up within the hour), or flapped in the last 15 minutes.
           "{{ with printf `rankscope_node_network_up{SEL} == 0 and on (node) (max_over_time(rankscope_node_network_up"
-          "{SEL}[1h]) == 1)` | query }} Links down now:{{ range . }} {{ .Labels.node }} {{ .Labels.device }}"
-          "{{ end }}.{{ end }}"
-          "{{ with printf `sum by (node, device) (changes(rankscope_node_network_carrier_changes_total{SEL}[15m])) > 0`"
-          " | query | sortByLabel \"node\" }} Links that went down or up in the last 15 minutes:{{ range $i, $s := . }}"
+          "{SEL}[1h]) == 1) and on (node) group by (node) (rankscope_rank_up{SEL,run=\"%s\"})` $labels.run | query "
+          "| sortByLabel \"node\" }} Links down now:{{ range $i, $s := . }}{{ if $i }},{{ end }} {{ $s.Labels.node }} "
+          "{{ $s.Labels.device }}{{ end }}.{{ end }}"
+          "{{ with printf `sum by (node, device) (changes(rankscope_node_network_carrier_changes_total{SEL}[15m])) > 0"
+          " and on (node) group by (node) (rankscope_rank_up{SEL,run=\"%s\"})` $labels.run | query "
+          "| sortByLabel \"node\" }} Links that went down or up in the last 15 minutes:{{ range $i, $s := . }}"
           "{{ if $i }},{{ end }} {{ $s.Labels.node }} {{ $s.Labels.device }}{{ end }}.{{ end }}"),
     # The victims of a dead, lost, hung or frozen rank stall too: the cause's own
     # alert pages for the run, this one only when no cause is known.

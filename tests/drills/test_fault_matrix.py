@@ -402,7 +402,7 @@ PRODUCTION_PAGE_S = {
     "RankscopeNonFiniteLoss": 35, "RankscopeOutOfMemory": 35, "RankscopeRankDown": 80, "RankscopeNodeLost": 95,
     "RankscopeHangSuspect": 155, "RankscopeCollectiveBehind": 155, "RankscopeRankFrozen": 120,
     "RankscopeNetworkStall": 155, "RankscopeNetworkDegraded": 460, "RankscopeStraggler": 760,
-    "RankscopeLossSpikes": 50, "RankscopeInputBound": 1060, "RankscopeRunStalled": 275,
+    "RankscopeLossSpikes": 55, "RankscopeInputBound": 1060, "RankscopeRunStalled": 275,
 }
 
 
