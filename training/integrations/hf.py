@@ -114,7 +114,8 @@ class RankscopeCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         if self.steps is None:
             return
-        self.steps.begin(state.global_step)
+        # Numbered as the Trainer numbers it once done: after 40 steps, rankscope_step is 40.
+        self.steps.begin(state.global_step + 1)
         self.steps.switch("forward")
 
     @guarded

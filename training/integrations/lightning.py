@@ -116,7 +116,8 @@ class RankscopeCallback(Callback):
         if steps.open:   # the next micro-batch of an accumulating step
             steps.waited_for_data(self._batch_end)
         else:
-            steps.begin(trainer.global_step)
+            # Numbered as Lightning numbers it once done: after 40 steps, rankscope_step is 40.
+            steps.begin(trainer.global_step + 1)
         self._stepped = False
         steps.step.count(samples=batch_size(batch))
         steps.switch("forward")
