@@ -325,11 +325,19 @@ def cgroup_wrapper(path: Path) -> list[str]:
 
 
 def remove_cgroup(path: Path) -> None:
-    for _ in range(50):
+    """Remove the cgroup once its processes are gone; after 5 s, kill what is left in it (the
+    job's processes are already killed: anything still there would outlive the test)."""
+    for attempt in range(300):
         try:
             path.rmdir()
             return
         except OSError:   # its last processes are still exiting
+            if attempt == 50:
+                for pid in (path / "cgroup.procs").read_text().split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
             time.sleep(0.1)
 
 
