@@ -49,7 +49,8 @@ from typing import Any, Iterable, Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from rankscope.contract.rundir import EVIDENCE_SUBDIR, FLIGHT_RECORDER_SUBDIR, Registration, process_state
+from rankscope.contract.rundir import (EVIDENCE_SUBDIR, FLIGHT_RECORDER_SUBDIR, Registration, process_state,
+                                      stat_state)
 from rankscope.exporter.catalog import BY_NAME
 
 log = logging.getLogger("rankscope.exporter")
@@ -372,7 +373,7 @@ def _process(pid: int) -> dict:
     states: dict[str, int] = {}
     try:
         for task in Path(f"/proc/{pid}/task").iterdir():
-            s = process_state_of(task / "stat")
+            s = stat_state(task / "stat")
             if s:
                 states[s] = states.get(s, 0) + 1
     except OSError:
@@ -385,13 +386,6 @@ def _process(pid: int) -> dict:
         out["cpu_seconds"] = round(second, 3)
         out["cpu_advancing"] = second - first > 0.01
     return out
-
-
-def process_state_of(stat: Path) -> str | None:
-    try:
-        return stat.read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 def _cpu_seconds(pid: int) -> float | None:

@@ -28,7 +28,8 @@ import yaml
 from prometheus import generate
 from tests.helpers.jobs import free_port, rankscope_command, select, value, wait_until
 from tests.helpers.paging import FAST_OVERRIDE, alertmanager_config
-from tests.helpers.promstack import AlertmanagerServer, PrometheusServer, WebhookReceiver, firing_alerts
+from tests.helpers.promstack import (AlertmanagerServer, PrometheusServer, WebhookReceiver, firing_alerts,
+                                     http_get_json)
 from tests.helpers.userjob import JobPool, UserJob
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -42,15 +43,10 @@ LINK = re.compile(r"https?://\S+/evidence/\S+")
 
 
 # -- reading what the exporter serves ------------------------------------------------------
-def get_json(url: str) -> dict | list:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return json.loads(resp.read())
-
-
 def captures(job: UserJob) -> list[dict]:
     """The exporter's index of the captures it keeps."""
     try:
-        return get_json(f"http://127.0.0.1:{job.port}/evidence")
+        return http_get_json(f"http://127.0.0.1:{job.port}/evidence")
     except OSError:
         return []
 
@@ -59,7 +55,7 @@ def capture_of(job: UserJob, rank: int, timeout: float = 60.0) -> dict:
     """Rank ``rank``'s newest capture (JSON), once there is one."""
     entry = wait_until(lambda: next((c for c in captures(job) if c["rank"] == rank), None), timeout=timeout,
                        what=f"evidence of rank {rank}")
-    return get_json(f"http://127.0.0.1:{job.port}{entry['path']}?format=json")
+    return http_get_json(f"http://127.0.0.1:{job.port}{entry['path']}?format=json")
 
 
 def serving(job: UserJob, ranks: int = 2) -> list:
@@ -141,7 +137,7 @@ def loader_hang(work: Path) -> dict:
         outside = [status(f"http://127.0.0.1:{job.port}/evidence/{slug}/0/flight-recorder/{name}")
                    for slug, name in ((peer["run_dir"], "..%2F..%2Fexporter.json"), ("..", "ranks"),
                                       (peer["run_dir"], "nccl_trace_rank_1"))]
-        return {"page": paged["1"], "links": link, "culprit": get_json(link[0] + "?format=json") if link else None,
+        return {"page": paged["1"], "links": link, "culprit": http_get_json(link[0] + "?format=json") if link else None,
                 "peer": peer, "dump": dump, "outside": outside, "port": job.port, "consoles": paged["then"],
                 "html": urllib.request.urlopen(base).read().decode()}
 
@@ -175,7 +171,7 @@ def raised(work: Path) -> dict:
         serving(job)
         paged = page_for([job], work, "RankscopeRankDown", {"0", "1"})
         link = links(paged["1"])
-        return {"pages": paged, "links": link, "culprit": get_json(link[0] + "?format=json") if link else None,
+        return {"pages": paged, "links": link, "culprit": http_get_json(link[0] + "?format=json") if link else None,
                 "rc": job.wait(timeout=60, check=False)}
 
 
@@ -199,7 +195,7 @@ def two_nodes(work: Path) -> dict:
         link = links(paged["1"])
         return {"page": paged["1"], "links": link, "ports": [j.port for j in nodes],
                 "kept": [sorted(p.name for p in j.metrics_dir.glob("*/evidence/rank-*.json")) for j in nodes],
-                "culprit": get_json(link[0] + "?format=json") if link else None}
+                "culprit": http_get_json(link[0] + "?format=json") if link else None}
     finally:
         for job in nodes:
             job.__exit__(None, None, None)

@@ -414,12 +414,17 @@ PRODUCTION_PAGE_S = {
 }
 
 
+def delivered_besides(fault: Fault, o: Outcome) -> list[tuple[str, str, str]]:
+    """What the run delivered that is neither its cause nor an alert the fault allows."""
+    allowed = {name for name, _ in fault.allowed} | {fault.cause}
+    return [(path, name, rank) for path, name, rank in o.delivered if name not in allowed]
+
+
 def paged_right(fault: Fault, o: Outcome | None) -> bool:
     """The drill delivered its cause, naming its rank(s) or node, and nothing else but what it allows."""
     if o is None or o.skipped or o.error or o.cause_delivery is None:
         return False
-    allowed = {name for name, _ in fault.allowed} | {fault.cause}
-    return all(name in allowed for _, name, _ in o.delivered)
+    return not delivered_besides(fault, o)
 
 
 def render_scorecard(outcomes: dict[str, Outcome | HealthyOutcome]) -> tuple[str, float]:
@@ -508,8 +513,7 @@ def test_one_page_per_cause(fault: Fault, matrix, record_property):
         assert annotations["runbook_url"].endswith("#" + fault.cause.lower())
         if labels.get("rank") in fault.ranks:
             assert f"rank {labels['rank']}" in annotations["description"] + annotations["summary"]
-    allowed = {name for name, _ in fault.allowed} | {fault.cause}
-    others = [(path, name, rank) for path, name, rank in o.delivered if name not in allowed]
+    others = delivered_besides(fault, o)
     assert others == [], f"{fault.name}: delivered besides the cause: {others}\n{_describe(o)}"
 
 

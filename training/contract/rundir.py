@@ -98,11 +98,15 @@ def process_start_ticks(pid: int) -> int | None:
 
 def process_state(pid: int) -> str | None:
     """One-letter process state from /proc (R, S, D, T stopped, Z zombie...), None if gone."""
+    return stat_state(Path(f"/proc/{pid}/stat"))
+
+
+def stat_state(stat: Path) -> str | None:
+    """The state letter of a /proc ``stat`` file (a process's, or one of its threads'), None if gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return stat.read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return None
-    return stat.rsplit(")", 1)[1].split()[0]
 
 
 @dataclass
