@@ -17,6 +17,7 @@ from rankscope.contract import environment
 from rankscope.contract.catalog import MAX_PROCESS_GROUPS_DEFAULT
 from rankscope.contract.environment import DEFAULT_ADDR, DEFAULT_PORT, ConfigError
 from rankscope.contract.rundir import default_metrics_dir
+from rankscope.layout import Layout
 
 __all__ = ["MonitorConfig", "ConfigError"]
 
@@ -74,6 +75,10 @@ class MonitorConfig:
     collective_timing: bool = False
     """Turn on each process group's own collective timing (NCCL: device durations in the flight recorder;
     docs/collectives.md)."""
+    layout: str | None = None
+    """The rank's coordinates in the job's parallel layout, ``pp=1,dp=0,tp=3`` (rankscope.layout), for
+    launchers that know them (Megatron-style ``RANKSCOPE_LAYOUT=pp=$PP_RANK``); a device mesh or a
+    pipeline stage given to ``watch()`` adds what this leaves out."""
 
     def __post_init__(self) -> None:
         if self.run is not None and not _valid_label_value(self.run):
@@ -93,6 +98,7 @@ class MonitorConfig:
         if self.loss_window < 2:
             raise ConfigError(f"loss_window: must be >= 2, got {self.loss_window}")
         stacks.parse_signal(self.stack_signal)
+        Layout.parse(self.layout)
         if self.max_process_groups < 0:
             raise ConfigError(f"must be >= 0 (0 turns the reading off), got {self.max_process_groups}",
                               field="max_process_groups")

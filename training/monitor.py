@@ -41,7 +41,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Sequence
 
-from rankscope import exit_status, sinks
+from rankscope import exit_status, layout, sinks
 from rankscope.collectives import comm_timing
 from rankscope.collectives.flight_recorder import FlightRecorder, ring_size
 from rankscope.collectives.process_groups import FlightRecorderSource, ProcessGroupMetrics, ProcessGroupReader
@@ -55,6 +55,7 @@ from rankscope.device.rank_device import RankDevice, first_cuda_device
 from rankscope.errors import TelemetryErrors, UsageError
 from rankscope.flops import FlopsConfig
 from rankscope.identity import RankIdentity
+from rankscope.layout import Layout
 from rankscope.publishing.metrics import RankMetrics
 from rankscope.publishing.publisher import Publisher
 from rankscope.publishing.stacks import StackDumps, parse_signal
@@ -77,8 +78,11 @@ class Monitor:
     ``init_process_group``; everything that can be wrong is checked here."""
 
     def __init__(self, config: MonitorConfig | None = None, *, device: Any = None, backend: str | None = None,
-                 flops: FlopsConfig | None = None, **options: Any):
+                 flops: FlopsConfig | None = None, layout: Any = None, **options: Any):
         self.config = config if config is not None else MonitorConfig.from_env(**options)
+        # Where the rank sits in the job's parallel layout (rankscope.layout): stated here or in
+        # RANKSCOPE_LAYOUT; watch() adds what a device mesh or a pipeline stage tells.
+        self.layout = Layout.of(layout).merged(Layout.parse(self.config.layout))
         # FLOPs per token or sample, for MFU (rankscope.flops; RANKSCOPE_MODEL_PARAMS and friends)
         self.flops = flops if flops is not None else FlopsConfig.from_env()
         self.identity = claim_run(RankIdentity.from_env(self.config.run), self.config.metrics_dir)
@@ -145,6 +149,7 @@ class Monitor:
         self.metrics.mem_total.set(memory.total())          # 0 until a CUDA device is known (the publisher)
         self.metrics.bind_flops(self.flops.counts_flops)   # the device's peak: once it is known
         self.metrics.mem_limit.set(memory.host_limit)
+        self.metrics.set_layout(self.layout.labels(), None)
         self._closed = False
         self.publisher.start()
         if self.sink is not None:
@@ -166,9 +171,17 @@ class Monitor:
         (``rankscope.collectives.process_groups``), with no wrapping.
 
         A model on a CUDA device tells a ``Monitor()`` made without one which device
-        to time on."""
+        to time on. Parameters that are DTensors tell the rank's coordinates in the job's
+        device mesh, and a ``torch.distributed.pipelining.PipelineStage`` (returned as it
+        is) its pipeline stage (rankscope.layout)."""
+        learnt = layout.learn(model)
+        if learnt is not None:
+            self._learn_layout(learnt)
         if not hasattr(model, "parameters"):
-            raise ConfigError(f"watch(): expected a torch.nn.Module, got {type(model).__name__}")
+            if learnt is not None and hasattr(model, "submod"):   # a pipeline stage
+                self.device.bind(first_cuda_device(model.submod))
+                return model
+            raise ConfigError(f"watch(): expected a torch.nn.Module or a PipelineStage, got {type(model).__name__}")
         self.device.bind(first_cuda_device(model))
         if not comm_timing.is_ddp(model):
             return model
@@ -176,6 +189,12 @@ class Monitor:
                                        functools.partial(self.errors.error, "collectives"))
         self.steps.comm = self.comm
         return model
+
+    def _learn_layout(self, learnt: Layout) -> None:
+        merged = self.layout.merged(learnt)
+        if merged != self.layout:
+            previous, self.layout = self.layout, merged
+            self.metrics.set_layout(merged.labels(), previous.labels())
 
     # -- the hot path ---------------------------------------------------------
     def data(self, iterable: Iterable[Any]) -> Iterator[Any]:

@@ -7,7 +7,9 @@
 Parallelism: ``ddp`` (DistributedDataParallel), ``fsdp2`` (``fully_shard`` on
 every linear layer and the root), ``2d`` (a data-parallel x tensor-parallel
 device mesh: the linear layers sharded over ``tp`` with DTensor, then
-``fully_shard`` over ``dp``).
+``fully_shard`` over ``dp``), ``pipeline`` (the layers split into ``--stages``
+pipeline stages, each data-parallel over world/stages ranks; micro-batches
+passed between stages with send/recv, GPipe order).
 
 A student MLP learns to imitate a fixed random "teacher" network on synthetic
 data: the loss falls within a minute on two CPU cores, and a periodic
@@ -43,7 +45,7 @@ from rankscope.flops import FlopsConfig
 from rankscope.monitor import Monitor
 
 IN_FEATURES, CLASSES = 32, 10
-PARALLELISMS = ("ddp", "fsdp2", "2d")
+PARALLELISMS = ("ddp", "fsdp2", "2d", "pipeline")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,6 +65,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parallelism", choices=PARALLELISMS, default="ddp",
                    help="ddp (default), fsdp2 (fully_shard), or 2d (data parallel x tensor parallel mesh)")
     p.add_argument("--tp-size", type=int, default=2, help="2d: ranks per tensor-parallel group (default 2)")
+    p.add_argument("--stages", type=int, default=2, help="pipeline: pipeline stages (default 2)")
+    p.add_argument("--micro-batches", type=int, default=2, help="pipeline: micro-batches per step (default 2)")
+    p.add_argument("--stage-cost", default=None, metavar="C0,C1,...",
+                   help="pipeline: each stage's share of --step-delay, as its layers would make it (default 1 each; "
+                        "1,1.6: the second stage holds 1.6x the layers)")
     p.add_argument("--comm-debug", action="store_true",
                    help="count every step's and evaluation's collectives with torch's CommDebugMode and print the "
                         "totals at the end (a check of what rankscope counts; slows the steps)")
@@ -75,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="start from the step saved in --checkpoint-dir")
     n = p.add_argument_group("the noise of a healthy run (for quiet-alert drills)")
     n.add_argument("--jitter", type=float, default=0.0, metavar="R", help="vary --step-delay by +-R (0.2: +-20%%)")
+    n.add_argument("--uneven-work", action="store_true",
+                   help="each rank's batch of each step has its own length: --step-delay times 0.2-1.0 of the "
+                        "longest, drawn per rank and step (mean 1x), as unpacked sequences of random length make it")
     n.add_argument("--loss-noise", type=float, default=0.0, metavar="R", help="multiply the loss by 1 +- R")
     n.add_argument("--eval-pause", type=float, default=0.0, metavar="S", help="extra seconds per evaluation")
     n.add_argument("--checkpoint-pause", type=float, default=0.0, metavar="S", help="seconds each checkpoint takes")
@@ -111,8 +121,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--jitter and --loss-noise must be in [0, 1)")
     if (args.resume or args.checkpoint_every) and args.checkpoint_dir is None:
         p.error("--resume and --checkpoint-every need --checkpoint-dir")
-    if args.tp_size < 1:
-        p.error("--tp-size must be >= 1")
+    if min(args.tp_size, args.stages, args.micro_batches) < 1:
+        p.error("--tp-size, --stages and --micro-batches must be >= 1")
+    try:
+        args.stage_cost = [float(c) for c in args.stage_cost.split(",")] if args.stage_cost else [1.0] * args.stages
+    except ValueError:
+        p.error(f"--stage-cost {args.stage_cost!r}: expected numbers separated by commas")
+    if args.parallelism == "pipeline" and args.checkpoint_every:
+        p.error("--checkpoint-every: the pipeline job does not checkpoint")
+    if len(args.stage_cost) != args.stages or min(args.stage_cost) <= 0:
+        p.error(f"--stage-cost: one number > 0 per stage ({args.stages})")
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
         p.error(f"--metrics-port {args.metrics_port} is not a TCP port (1-65535)")
     return args
@@ -161,6 +179,10 @@ def parallelize(args: argparse.Namespace, monitor: Monitor, device: torch.device
         cuda = device.type == "cuda"
         return monitor.watch(DDP(model, device_ids=[device.index] if cuda else None,
                                  bucket_cap_mb=args.bucket_cap_mb)), rank, world
+    if args.parallelism == "pipeline":
+        stage = PipelineStageModel(build_model(args.hidden).to(device), args.stages, rank, world)
+        monitor.watch(stage.module)
+        return stage, stage.replica, stage.replicas
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -185,7 +207,36 @@ def parallelize(args: argparse.Namespace, monitor: Monitor, device: torch.device
     return monitor.watch(model), mesh["dp"].get_local_rank(), dp
 
 
+class PipelineStageModel:
+    """This rank's stage of the model, split at its linear layers into ``stages`` stages, each
+    data-parallel over ``world / stages`` ranks: rank r holds stage ``r // replicas`` of replica
+    ``r % replicas``. The layout is stated to rankscope in one line, as a launcher that places
+    stages would (``RANKSCOPE_LAYOUT``, or ``Monitor(layout=...)``)."""
+
+    def __init__(self, model: nn.Sequential, stages: int, rank: int, world: int):
+        cuts = [i for i, layer in enumerate(model) if isinstance(layer, nn.Linear)]
+        if stages > len(cuts) or world % stages:
+            raise SystemExit(f"rankscope-train: --stages {stages} must be at most {len(cuts)} (the model's linear "
+                             f"layers) and divide the world size {world}")
+        self.stages, self.replicas = stages, world // stages
+        self.stage, self.replica = divmod(rank, self.replicas)
+        bounds = cuts[:stages] + [len(model)]
+        self.module = model[bounds[self.stage]:bounds[self.stage + 1]]
+        self.in_features = self.module[0].in_features
+        self.prev = rank - self.replicas if self.stage > 0 else None
+        self.next = rank + self.replicas if self.stage < stages - 1 else None
+        self.last = self.next is None
+        # Every rank creates every group, in the same order (torch's rule for new_group).
+        groups = [dist.new_group(list(range(s * self.replicas, (s + 1) * self.replicas))) for s in range(stages)]
+        self.dp_group = groups[self.stage]
+
+    def parameters(self):
+        return self.module.parameters()
+
+
 def evaluate(model: nn.Module, data: TeacherDataset, device, monitor: Monitor) -> tuple[float, float]:
+    if isinstance(model, PipelineStageModel):
+        return evaluate_pipeline(model, data, device, monitor)
     model.eval()
     with torch.no_grad():
         logits = model(data.x.to(device))
@@ -195,6 +246,30 @@ def evaluate(model: nn.Module, data: TeacherDataset, device, monitor: Monitor) -
         with monitor.collective("all_reduce", totals):
             dist.all_reduce(totals)
     model.train()
+    loss_sum, correct_sum, n = totals.tolist()
+    return loss_sum / n, correct_sum / n
+
+
+def evaluate_pipeline(stage: PipelineStageModel, data: TeacherDataset, device, monitor: Monitor) -> tuple[float, float]:
+    """The held-out set through the stages of replica 0, its last stage's figures sent to every rank."""
+    totals = torch.zeros(3, device=device)
+    if stage.replica == 0:
+        with torch.no_grad():
+            x = data.x.to(device)
+            if stage.prev is not None:
+                x = torch.empty(len(data), stage.in_features, device=device)
+                with monitor.collective("recv", x):
+                    dist.recv(x, stage.prev)
+            out = stage.module(x)
+            if stage.next is not None:
+                with monitor.collective("send", out):
+                    dist.send(out.contiguous(), stage.next)
+            else:
+                loss = nn.functional.cross_entropy(out, data.y.to(device), reduction="sum")
+                correct = (out.argmax(dim=1) == data.y.to(device)).sum().float()
+                totals = torch.stack([loss, correct, torch.tensor(float(len(data)), device=device)])
+    with monitor.collective("broadcast", totals):
+        dist.broadcast(totals, src=dist.get_world_size() - stage.replicas)   # replica 0's last stage
     loss_sum, correct_sum, n = totals.tolist()
     return loss_sum / n, correct_sum / n
 
@@ -222,9 +297,13 @@ def main(argv: list[str] | None = None) -> int:
         share = (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or share)))
     backend = "nccl" if cuda else "gloo"
+    layout = None
+    if args.parallelism == "pipeline":   # the stage this rank will hold (PipelineStageModel)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        layout = f"pp={int(os.environ.get('RANK', '0')) // max(world // args.stages, 1)}"
     try:
         monitor = Monitor(device=device, backend=backend, run=args.run_id, metrics_port=args.metrics_port,
-                          flops=model_flops(args.hidden))
+                          flops=model_flops(args.hidden), layout=layout)
     except ConfigError as e:
         print(f"rankscope-train: error: {e}", file=sys.stderr)
         return 2
@@ -255,7 +334,7 @@ class Faults:
     def at(self, what: str, step: int) -> bool:
         return self.on and getattr(self.args, what) == step
 
-    def before_forward(self, step: int) -> None:
+    def before_forward(self, step: int, work: bool = True) -> None:
         a = self.args
         if self.at("oom_at", step):
             raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 80.00 GiB")
@@ -270,8 +349,18 @@ class Faults:
             time.sleep(a.slow_rank_delay)
         if self.on and a.leak_mb_per_step and step >= a.leak_from and len(self.leaked) * a.leak_mb_per_step < a.leak_max_mb:
             self.leaked.append(bytearray(int(a.leak_mb_per_step * 2**20)))   # zero-filled: resident at once
-        if a.step_delay:
-            time.sleep(a.step_delay * self.noise.uniform(1 - a.jitter, 1 + a.jitter))
+        if work:
+            time.sleep(self.work(a.step_delay))
+
+    def work(self, seconds: float) -> float:
+        """``seconds`` of simulated compute as this rank's batch makes it: +-jitter, or with
+        --uneven-work a length of 0.2-1.0 of the longest (mean 1x), drawn afresh each time."""
+        a = self.args
+        if not seconds:
+            return 0.0
+        if a.uneven_work:
+            return seconds * self.noise.uniform(0.2, 1.0) / 0.6
+        return seconds * self.noise.uniform(1 - a.jitter, 1 + a.jitter)
 
     def loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
         a = self.args
@@ -407,6 +496,8 @@ def load_checkpoint(directory: Path, model: nn.Module, opt: torch.optim.Optimize
 
 def train_step(monitor: Monitor, model: nn.Module, opt: torch.optim.Optimizer, loss_fn: nn.Module,
                x: torch.Tensor, y: torch.Tensor, step: int, faults: Faults) -> torch.Tensor:
+    if isinstance(model, PipelineStageModel):
+        return pipeline_step(monitor, model, opt, loss_fn, x, y, step, faults)
     with monitor.step(samples=len(x), step=step) as s:
         with s.phase("forward"):
             faults.before_forward(step)
@@ -422,6 +513,70 @@ def train_step(monitor: Monitor, model: nn.Module, opt: torch.optim.Optimizer, l
             opt.zero_grad(set_to_none=True)
         s.observe(loss=loss, grad_norm=grad_norm, lr=opt.param_groups[0]["lr"])
     return loss
+
+
+
+def pipeline_step(monitor: Monitor, stage: PipelineStageModel, opt: torch.optim.Optimizer, loss_fn: nn.Module,
+                  x: torch.Tensor, y: torch.Tensor, step: int, faults: Faults) -> torch.Tensor:
+    """One step of a GPipe schedule: every micro-batch forward, then every one backward, then the
+    stage's data-parallel gradient all-reduce. The waits for the neighbouring stages and for the
+    stage's peers are the ``comm_wait`` phase, so that each stage's compute is its own.
+    --step-delay x the stage's --stage-cost is its simulated compute per step, a third forward."""
+    args = faults.args
+    stage_seconds = args.step_delay * args.stage_cost[stage.stage] / args.micro_batches
+    inputs, outputs, sends = [], [], []
+    loss_total = torch.zeros((), device=x.device)
+    with monitor.step(samples=len(x), step=step) as s:
+        with s.phase("forward"):
+            faults.before_forward(step, work=False)
+        for xb in x.chunk(args.micro_batches):
+            if stage.prev is not None:
+                xb = torch.empty(len(xb), stage.in_features, device=x.device)
+                with s.phase("comm_wait"), monitor.collective("recv", xb):
+                    dist.recv(xb, stage.prev)
+                xb.requires_grad_(True)
+            with s.phase("forward"):
+                work = faults.work(stage_seconds)
+                time.sleep(work / 3)
+                out = stage.module(xb)
+            inputs.append((xb, work))
+            outputs.append(out)
+            if stage.next is not None:
+                sends.append(dist.isend(out.detach().contiguous(), stage.next))
+        faults.before_backward(step)
+        for (xb, work), out, yb in reversed(list(zip(inputs, outputs, y.chunk(args.micro_batches)))):
+            if stage.last:
+                with s.phase("forward"):
+                    loss = faults.loss(loss_fn(out, yb), step) / args.micro_batches
+                loss_total += loss.detach()
+                grad = None
+            else:
+                grad = torch.empty_like(out)
+                with s.phase("comm_wait"), monitor.collective("recv", grad):
+                    dist.recv(grad, stage.next)
+            with s.phase("backward"):
+                time.sleep(2 * work / 3)
+                (loss if grad is None else out).backward(grad)
+            if stage.prev is not None:
+                sends.append(dist.isend(xb.grad.contiguous(), stage.prev))
+        with s.phase("comm_wait"):
+            for work_handle in sends:
+                work_handle.wait()
+            grads = [p.grad for p in stage.module.parameters()]
+            if stage.replicas > 1:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                with monitor.collective("all_reduce", flat):
+                    dist.all_reduce(flat, group=stage.dp_group)
+                flat /= stage.replicas
+                offset = 0
+                for g in grads:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+        with s.phase("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        s.observe(loss=loss_total if stage.last else None, lr=opt.param_groups[0]["lr"])
+    return loss_total
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def test_the_scan_finds_a_circle_through_a_function_level_import():
 
 def test_the_rank_side_is_grouped_by_role():
     top_level = sorted(p.stem for p in TRAINING.glob("*.py") if p.stem != "__init__")
-    assert top_level == ["config", "errors", "exit_status", "flops", "holds", "identity", "launch", "monitor",
+    assert top_level == ["config", "errors", "exit_status", "flops", "holds", "identity", "launch", "layout", "monitor",
                          "pages", "sinks", "train"], top_level
     for package in PACKAGES:
         init = TRAINING / package / "__init__.py"

@@ -162,6 +162,10 @@ RANK_METRICS: tuple[MetricSpec, ...] = (
     # identity and liveness
     _g("rankscope_rank_info", "Identity of a rank (value 1): world size, pid, device, GPU UUID, backend, versions.",
        RANK_INFO_LABELS),
+    _g("rankscope_rank_layout_info",
+       "Where the rank sits in the job's parallel layout (value 1; 0 for a layout it no longer has): its pipeline "
+       "stage, its tensor-parallel group (its coordinates on the other mesh dimensions) and every mesh coordinate; "
+       "empty where the job has none.", ("stage", "tp_group", "mesh")),
     _g("rankscope_rank_start_timestamp_seconds", "Unix time at which the rank's monitor started."),
     _g("rankscope_heartbeat_timestamp_seconds",
        "Unix time of the rank's last heartbeat (a background thread beats while the interpreter runs).",
@@ -171,6 +175,9 @@ RANK_METRICS: tuple[MetricSpec, ...] = (
     _c("rankscope_steps_total", "Training steps completed by this rank process."),
     _h("rankscope_step_duration_seconds", "Wall-clock duration of training steps.", STEP_BUCKETS),
     _g("rankscope_step_last_duration_seconds", "Wall-clock duration of the last completed step."),
+    _g("rankscope_step_last_compute_seconds",
+       "Compute seconds (forward, backward, optimizer; exposed communication wait excluded) of the last "
+       "completed step: its spread across the ranks of a stage, scrape by scrape, is the load imbalance."),
     _g("rankscope_last_step_timestamp_seconds", "Unix time at which the last step completed."),
     _c("rankscope_phase_seconds_total",
        "Seconds spent per step phase; exposed communication wait is 'comm_wait', untracked time 'other'.",

@@ -100,6 +100,7 @@ class RankMetrics:
             self.steps = b("rankscope_steps_total")
             self.step_duration = b("rankscope_step_duration_seconds")
             self.step_last = b("rankscope_step_last_duration_seconds")
+            self.step_last_compute = b("rankscope_step_last_compute_seconds")
             self.step_ts = b("rankscope_last_step_timestamp_seconds")
             self.phase = {p: m["rankscope_phase_seconds_total"].labels(*ident, p) for p in catalog.PHASES}
             self.samples = b("rankscope_samples_total")
@@ -184,6 +185,14 @@ class RankMetrics:
     def set_rank_info(self, info: dict[str, str]) -> None:
         with mmap_values(self.directory):
             self._metrics["rankscope_rank_info"].labels(**self.identity, **info).set(1)
+
+    def set_layout(self, labels: dict[str, str], previous: dict[str, str] | None) -> None:
+        """The rank's layout series; one it had before is set to 0 (a multiprocess file keeps it)."""
+        with mmap_values(self.directory):
+            family = self._metrics["rankscope_rank_layout_info"]
+            if previous is not None:
+                family.labels(**self.identity, **previous).set(0)
+            family.labels(**self.identity, **labels).set(1)
 
     def declare(self, spec: MetricSpec, extra_labels: tuple[str, ...]):
         """A user metric with the rank's identity labels (see rankscope.publishing.user_metrics)."""

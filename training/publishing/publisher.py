@@ -181,6 +181,8 @@ class Publisher:
         for k, v in acc.phase.items():  # CUDA steps' phases arrive after their step
             if v:
                 m.phase[k].inc(v)
+        if not math.isnan(acc.last_compute):
+            m.step_last_compute.set(acc.last_compute)
         if acc.ooms:
             m.ooms.inc(acc.ooms)
         self._write_health(acc)

@@ -22,6 +22,7 @@ from collections import deque
 from typing import Any, Protocol
 
 from rankscope.contract.catalog import PHASES
+from rankscope.contract.thresholds import STRAGGLER_PHASES
 from rankscope.errors import TelemetryErrors
 from rankscope.holds import LongestHold
 from rankscope.step import values
@@ -32,6 +33,13 @@ from rankscope.step.trace_feed import TraceFeed
 
 ABSORB_SLICE_S = 0.0003      # the publisher works through ended steps in slices this long...
 GIL_YIELD_S = 0.0001         # ...sleeping this long between them (the GIL is free meanwhile)
+
+
+def compute_seconds(phases: dict[str, float]) -> float:
+    """A step's own work, in the phases the straggler rules compare between ranks; its spread
+    across the ranks of a stage, step by step, is the load imbalance
+    (rankscope_step_last_compute_seconds)."""
+    return sum(phases.get(name, 0.0) for name in STRAGGLER_PHASES)
 
 
 class UnderWay(Protocol):
@@ -46,7 +54,7 @@ class Accumulator:
     """What the steps worked out since the last publish add up to."""
 
     __slots__ = ("steps", "durations", "phase", "samples", "tokens", "last_step", "last_duration",
-                 "last_end", "losses", "grad_norms", "lr", "ooms", "nonfinite_loss", "nonfinite_grad",
+                 "last_end", "last_compute", "losses", "grad_norms", "lr", "ooms", "nonfinite_loss", "nonfinite_grad",
                  "loss_spikes", "grad_spikes", "loss_ema", "loss_z", "data_waits", "wall")
 
     def __init__(self) -> None:
@@ -58,6 +66,7 @@ class Accumulator:
         self.last_step = -1
         self.last_duration = 0.0
         self.last_end = 0.0
+        self.last_compute = math.nan               # the last step's compute seconds (STRAGGLER_PHASES)
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
         self.lr = math.nan
@@ -148,8 +157,11 @@ class StepAccounting:
         acc.steps += 1
         acc.durations.append(duration)
         acc.data_waits.extend(waits)
-        for k, v in self._phases(e, duration).items():
+        phases = self._phases(e, duration)
+        for k, v in phases.items():
             acc.phase[k] += v
+        if not e.on_device:   # a CUDA step's phases come later (device_phases_ready)
+            acc.last_compute = compute_seconds(phases)
         acc.samples += e.samples
         acc.tokens += e.tokens
         acc.last_step = e.number
@@ -222,3 +234,4 @@ class StepAccounting:
     def device_phases_ready(self, phases: dict[str, float]) -> None:
         for k, v in phases.items():
             self._acc.phase[k] += v
+        self._acc.last_compute = compute_seconds(phases)

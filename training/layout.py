@@ -1,0 +1,149 @@
+"""Where a rank sits in its job's parallel layout: its coordinate on each named dimension of the
+job's device mesh (``pp=1,dp=0,tp=3``).
+
+Ranks of a pipeline, tensor, context or expert parallel job do different work by design, so
+"slower than the run's median" is not "faulty". The rules compare a rank only with the ranks
+of its pipeline stage (``stage``), and page a tensor-parallel group, whose ranks compute
+equally long by construction, once (``tp_group``: the group's coordinates on every other
+dimension). Exported once per rank as ``rankscope_rank_layout_info`` (a label on every series
+would multiply them).
+
+Learnt without user code where the job has a device mesh: ``watch()`` on a model whose
+parameters are DTensors reads their root mesh, ``watch()`` on a
+``torch.distributed.pipelining.PipelineStage`` reads its stage. Stated in one line where not:
+``Monitor(layout=...)`` (a DeviceMesh, a mapping or ``"pp=1,tp=0"``) or ``RANKSCOPE_LAYOUT``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from rankscope.contract.environment import ConfigError
+
+# Mesh dimension names, as torchtitan, Megatron and torch's own examples spell them.
+PIPELINE_DIMS = ("pp", "pipeline", "pipeline_parallel", "stage")
+TENSOR_PARALLEL_DIMS = ("tp", "tensor", "tensor_parallel")
+_DIM_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,31}")
+MAX_DIMS = 8
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The rank's coordinate on each named dimension, in the mesh's order; empty: unknown."""
+
+    coordinates: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [name for name, _ in self.coordinates]
+        if len(names) > MAX_DIMS:
+            raise ConfigError(f"at most {MAX_DIMS} dimensions, got {len(names)}", field="layout")
+        for name, value in self.coordinates:
+            if not _DIM_NAME.fullmatch(name):
+                raise ConfigError(f"dimension name {name!r} must be a word of letters, digits and _ "
+                                  "(pp, dp_shard, tp)", field="layout")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name}={value!r}: a coordinate is a whole number >= 0", field="layout")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"dimension named twice in {names}", field="layout")
+        if sum(name in PIPELINE_DIMS for name in names) > 1 or sum(name in TENSOR_PARALLEL_DIMS for name in names) > 1:
+            raise ConfigError(f"{names}: one pipeline ({'/'.join(PIPELINE_DIMS)}) and one tensor-parallel "
+                              f"({'/'.join(TENSOR_PARALLEL_DIMS)}) dimension at most", field="layout")
+
+    @classmethod
+    def parse(cls, text: str | None) -> "Layout":
+        """``"pp=1,dp=0,tp=3"`` (RANKSCOPE_LAYOUT); None or "" is unknown."""
+        if not text or not text.strip():
+            return cls()
+        pairs = []
+        for part in text.split(","):
+            name, eq, value = part.partition("=")
+            if not eq or not value.strip().isdigit():
+                raise ConfigError(f"{text!r}: expected name=coordinate pairs, e.g. pp=1,dp=0,tp=3", field="layout")
+            pairs.append((name.strip(), int(value)))
+        return cls(tuple(pairs))
+
+    @classmethod
+    def of(cls, value: Any) -> "Layout":
+        """From what ``Monitor(layout=...)`` takes: a Layout, a string, a mapping, or a DeviceMesh."""
+        if value is None or isinstance(value, Layout):
+            return value or cls()
+        if isinstance(value, str):
+            return cls.parse(value)
+        if isinstance(value, Mapping):
+            return cls(tuple((str(k), v) for k, v in value.items()))
+        if hasattr(value, "mesh_dim_names") and hasattr(value, "get_coordinate"):
+            layout = from_mesh(value)
+            if layout is None:
+                raise ConfigError("the device mesh has no dimension names (init_device_mesh(..., "
+                                  "mesh_dim_names=(...))), or this rank is not in it", field="layout")
+            return layout
+        raise ConfigError(f"expected a DeviceMesh, a mapping or 'pp=1,tp=0', got {type(value).__name__}",
+                          field="layout")
+
+    def merged(self, other: "Layout") -> "Layout":
+        """This layout with ``other``'s coordinates added where this one has none on that dimension
+        (a stated layout wins over one learnt; a pipeline stage adds its ``pp``)."""
+        have = {name for name, _ in self.coordinates}
+        same_role = {name for name, _ in self.coordinates if name in PIPELINE_DIMS}
+        extra = tuple((n, v) for n, v in other.coordinates
+                      if n not in have and not (n in PIPELINE_DIMS and same_role))
+        return Layout(self.coordinates + extra) if extra else self
+
+    @property
+    def stage(self) -> str:
+        """The pipeline stage, "" in a job without one."""
+        return next((str(v) for n, v in self.coordinates if n in PIPELINE_DIMS), "")
+
+    @property
+    def tp_group(self) -> str:
+        """The rank's tensor-parallel group, named by its coordinates on every other dimension
+        (the same on each of its ranks); "" in a job without tensor parallelism."""
+        if not any(n in TENSOR_PARALLEL_DIMS for n, _ in self.coordinates):
+            return ""
+        return ",".join(f"{n}={v}" for n, v in self.coordinates if n not in TENSOR_PARALLEL_DIMS) or "all"
+
+    @property
+    def mesh(self) -> str:
+        return ",".join(f"{n}={v}" for n, v in self.coordinates)
+
+    def labels(self) -> dict[str, str]:
+        return {"stage": self.stage, "tp_group": self.tp_group, "mesh": self.mesh}
+
+
+def from_mesh(mesh: Any) -> Layout | None:
+    """The rank's coordinates on the root of ``mesh`` (the whole job's mesh, of which a model's
+    parameters often hold a sub-mesh); None without dimension names or outside the mesh."""
+    try:
+        from torch.distributed.device_mesh import _mesh_resources
+
+        root = _mesh_resources.get_root_mesh(mesh)
+    except Exception:   # an older torch, or a mesh it does not know
+        root = mesh
+    names, coordinate = getattr(root, "mesh_dim_names", None), root.get_coordinate()
+    if not names or coordinate is None:
+        return None
+    return Layout(tuple(zip((str(n) for n in names), (int(c) for c in coordinate))))
+
+
+def learn(obj: Any) -> Layout | None:
+    """What ``watch(obj)`` can learn: a pipeline stage's index, or the mesh of a model's first
+    DTensor parameter; None from anything else."""
+    if type(obj).__name__.endswith("PipelineStage") and hasattr(obj, "stage_index"):
+        layout = Layout((("pp", int(obj.stage_index)),))
+        submod = getattr(obj, "submod", None)
+        inner = learn(submod) if submod is not None else None
+        return inner.merged(layout) if inner is not None else layout
+    parameters = getattr(obj, "parameters", None)
+    if parameters is None:
+        return None
+    try:
+        for p in parameters():
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is not None:
+                return from_mesh(mesh)
+            return None   # plain tensors: not sharded over a mesh
+    except Exception:
+        return None
+    return None
