@@ -184,19 +184,61 @@ STALLED_RECORD = "rank:rankscope_step_stalled_seconds:stalled"
 # restart's gap), not training. rank:rankscope_steps:warming_up marks those ranks.
 WARM = "\nunless on (run, rank) rank:rankscope_steps:warming_up"
 
-# Compute per step against the median of the rank's peers, with a negligible
-# absolute floor (only sub-millisecond toy loops are below it).
+# Where each rank sits in its job's layout (rankscope.layout): its pipeline stage and
+# tensor-parallel group, one series per rank (the one it has now, of any it had).
+LAYOUT_RECORD = "rank:rankscope_rank_layout_info:current"
+# Ranks in a tensor-parallel group: they compute equally long by construction, so a slow GPU
+# slows the whole group and no metric picks one rank; the group is paged once.
+TP_RANKS = LAYOUT_RECORD + "{tp_group!=\"\"}"
+
+
+def _straggler_ranks(held_on: str) -> str:
+    """Compute per step against the median of the rank's peers in its stage, with a negligible
+    absolute floor (only sub-millisecond toy loops are below it), held while an alert with the
+    labels ``held_on`` fires."""
+    return ("(\n  "
+            + _indent(hysteresis("RankscopeStraggler",
+                                 lambda bar: f"rank:rankscope_phase_seconds:compute_per_step_peer_ratio > {bar}",
+                                 "<<straggler_ratio>>", "<<straggler_hold_ratio>>", on=held_on))
+            + "\n)\n"
+            "and on (run, rank) (\n"
+            "  rank:rankscope_phase_seconds:compute_per_step\n"
+            "  - on (run, stage) group_left () " + STAGE_PEER_MEDIAN + "\n"
+            "  > <<straggler_min_excess_seconds>>\n"
+            ")" + WARM)
+
+
+STAGE_PEER_MEDIAN = "stage:rankscope_phase_seconds:compute_per_step_peer_median"
+# A straggler, compared only with the ranks of its own stage (a job without a pipeline is one
+# stage): a rank, or a whole tensor-parallel group, once, on its node.
 STRAGGLER = (
-    "(\n  "
-    + _indent(hysteresis("RankscopeStraggler",
-                         lambda bar: f"rank:rankscope_phase_seconds:compute_per_step_peer_ratio > {bar}",
-                         "<<straggler_ratio>>", "<<straggler_hold_ratio>>"))
-    + "\n)\n"
-    "and on (run, rank) (\n"
-    "  rank:rankscope_phase_seconds:compute_per_step\n"
-    "  - on (run) group_left () run:rankscope_phase_seconds:compute_per_step_peer_median\n"
-    "  > <<straggler_min_excess_seconds>>\n"
-    ")" + WARM)
+    "(\n  " + _indent(_straggler_ranks("run, rank")) + "\n)\n"
+    "unless on (run, rank) " + TP_RANKS + "\n"
+    "or max by (job, instance, node, run, stage, tp_group) (\n"
+    "  (\n    " + _indent(_straggler_ranks("run, tp_group"), "    ") + "\n  )\n"
+    "  and on (run, rank) " + TP_RANKS + "\n"
+    ")")
+
+# A whole pipeline stage computing more per step than the job's other stages: its layers'
+# partition, not a rank, is at fault. Its ranks are not stragglers (compared within the stage)
+# and the other stages' wait for it is not the network's (a cause: CommunicationBound is quiet).
+STAGE_IMBALANCE = "(\n  " + _indent(hysteresis(
+    "RankscopeStageImbalance",
+    lambda bar: f"stage:rankscope_phase_seconds:compute_per_step_ratio > {bar}",
+    "<<stage_imbalance_ratio>>", "<<stage_imbalance_hold_ratio>>", on="run, stage")) + "\n)" \
+    "\nunless on (run) rank:rankscope_steps:warming_up"
+
+# Uneven work per step with no persistent culprit: the slowest rank of a stage, scrape by scrape,
+# computes well above its stage's median while no rank's mean compute stands out (the slowest
+# changes from step to step: sequence lengths, MoE routing). Not while a straggler is paged.
+LOAD_IMBALANCE = "(\n  " + _indent(hysteresis(
+    "RankscopeLoadImbalance",
+    lambda bar: f"avg_over_time(stage:rankscope_step_last_compute_seconds:max_over_median[<<load_imbalance_window>>]) > {bar}",
+    "<<load_imbalance_ratio>>", "<<load_imbalance_hold_ratio>>", on="run, stage")) + "\n)\n" \
+    "unless on (run, stage) (\n" \
+    "  max by (run, stage) (rank:rankscope_phase_seconds:compute_per_step_peer_ratio)" \
+    " > <<load_imbalance_max_rank_ratio>>\n)" \
+    "\nunless on (run) rank:rankscope_steps:warming_up"
 
 INPUT_BOUND = "(\n  " + _indent(hysteresis(
     "RankscopeInputBound",
@@ -352,6 +394,19 @@ def cause(name: str, alert: str, condition: str) -> Record:
                   labels=(("cause", name),))
 
 
+# A rank's compute seconds per step over the rate window.
+COMPUTE_PER_STEP = (
+    "sum without (phase) (rate(rankscope_phase_seconds_total{SEL,phase=~\"<<straggler_phases>>\"}[<<rate_window>>]))\n"
+    "/ rate(rankscope_steps_total{SEL}[<<rate_window>>])")
+# The compute of each training rank's last step (> 0), with its stage.
+LAST_COMPUTE = (
+    "(\n  rankscope_step_last_compute_seconds{SEL} > 0\n"
+    "  and on (run, rank) (rankscope_rank_state{SEL,state=\"progressing\"} == 1)\n"
+    ")\n* on (run, rank) group_left (stage) " + LAYOUT_RECORD + "\n"
+    "or on (run, rank) (\n  rankscope_step_last_compute_seconds{SEL} > 0\n"
+    "  and on (run, rank) (rankscope_rank_state{SEL,state=\"progressing\"} == 1)\n)")
+
+
 # Causes whose peers stall: a dead, lost, hung or frozen rank blocks the others.
 STALL_CAUSES = "rank_down|node_lost|hang_suspect|frozen|collective_behind|network_stall"
 # Causes that explain a low goodput and page or warn for it themselves: a dead,
@@ -382,25 +437,47 @@ RECORDING_RULES: tuple[Record, ...] = (
            "sum without (phase) (rate(rankscope_phase_seconds_total{SEL}[<<rate_window>>]))"),
     Record("run_phase:rankscope_phase_seconds:fraction_avg",
            "avg by (run, phase) (rank_phase:rankscope_phase_seconds:fraction)"),
-    # Compute seconds per step (the straggler signal: its peers' time goes to comm_wait instead).
+    # The rank's layout (stage, tensor-parallel group): the one it has now, one per rank.
+    Record(LAYOUT_RECORD, "topk by (run, rank) (1, rankscope_rank_layout_info{SEL} == 1)"),
+    # Compute seconds per step (the straggler signal: its peers' time goes to comm_wait instead),
+    # with the rank's stage and tensor-parallel group where it has them.
     Record("rank:rankscope_phase_seconds:compute_per_step",
-           "sum without (phase) (rate(rankscope_phase_seconds_total{SEL,phase=~\"<<straggler_phases>>\"}[<<rate_window>>]))\n"
-           "/ rate(rankscope_steps_total{SEL}[<<rate_window>>])"),
+           _indent(COMPUTE_PER_STEP) + "\n* on (run, rank) group_left (stage, tp_group) " + LAYOUT_RECORD + "\n"
+           "or on (run, rank)\n" + _indent(COMPUTE_PER_STEP)),
     Record("run:rankscope_phase_seconds:compute_per_step_median",
            "quantile by (run) (0.5, rank:rankscope_phase_seconds:compute_per_step)"),
-    # The straggler's baseline: the median of the run WITHOUT its slowest rank,
-    # i.e. the slowest rank's peers. The median of all ranks includes the
-    # straggler: in a 2-rank run it is the mean of the two, and a 1.5x rank reads
-    # only 1.2x it. No peers (1 rank): no baseline. Ranks without steps in the
-    # window (NaN) are left out.
-    Record("run:rankscope_phase_seconds:compute_per_step_peer_median",
-           "quantile by (run) (0.5,\n"
+    # The straggler's baseline: the median of its stage WITHOUT the stage's slowest rank,
+    # i.e. the slowest rank's peers (a job without pipeline stages is one stage). The median
+    # of all ranks includes the straggler: in a 2-rank run it is the mean of the two, and a
+    # 1.5x rank reads only 1.2x it. No peers (1 rank): no baseline. Ranks without steps in
+    # the window (NaN) are left out.
+    Record(STAGE_PEER_MEDIAN,
+           "quantile by (run, stage) (0.5,\n"
            "  rank:rankscope_phase_seconds:compute_per_step >= 0\n"
-           "  unless on (run, rank) topk by (run) (1, rank:rankscope_phase_seconds:compute_per_step >= 0)\n"
+           "  unless on (run, rank) topk by (run, stage) (1, rank:rankscope_phase_seconds:compute_per_step >= 0)\n"
            ")"),
     Record("rank:rankscope_phase_seconds:compute_per_step_peer_ratio",
            "rank:rankscope_phase_seconds:compute_per_step\n"
-           "/ on (run) group_left () run:rankscope_phase_seconds:compute_per_step_peer_median"),
+           "/ on (run, stage) group_left () " + STAGE_PEER_MEDIAN),
+    # A pipeline stage's compute per step: its peer median (a straggler in it does not move
+    # it), or its only rank's. Against the median of the other stages (the job without its
+    # slowest stage): a stage's ratio. Only for jobs with stages.
+    Record("stage:rankscope_phase_seconds:compute_per_step",
+           STAGE_PEER_MEDIAN + "{stage!=\"\"}\n"
+           "or on (run, stage) quantile by (run, stage) (0.5, rank:rankscope_phase_seconds:compute_per_step{stage!=\"\"} >= 0)"),
+    Record("stage:rankscope_phase_seconds:compute_per_step_ratio",
+           "stage:rankscope_phase_seconds:compute_per_step\n"
+           "/ on (run) group_left () quantile by (run) (0.5,\n"
+           "  stage:rankscope_phase_seconds:compute_per_step\n"
+           "  unless on (run, stage) topk by (run) (1, stage:rankscope_phase_seconds:compute_per_step)\n"
+           ")"),
+    # The load imbalance's measure, each evaluation: the slowest rank's last step over its
+    # stage's median (ranks that train, a stage of two ranks or more). Averaged over a window
+    # it is the share of each step the stage loses to its slowest rank of the moment.
+    Record("stage:rankscope_step_last_compute_seconds:max_over_median",
+           "max by (run, stage) (" + LAST_COMPUTE + ")\n"
+           "/ quantile by (run, stage) (0.5, " + LAST_COMPUTE + ")\n"
+           "and on (run, stage) (count by (run, stage) (" + LAST_COMPUTE + ") > 1)"),
     # 1 for a rank whose rate window still reaches back before its first step of
     # this launch: it has not stepped yet, or had not a window ago (absent or 0),
     # or its counter restarted within the window (a new launch of the run).
@@ -495,6 +572,8 @@ RECORDING_RULES: tuple[Record, ...] = (
     cause("collective_behind", "RankscopeCollectiveBehind", SEQ_BEHIND_RECORD),
     cause("stalled", "RankscopeRunStalled", STALLED_RECORD),
     cause("straggler", "RankscopeStraggler", STRAGGLER),
+    cause("stage_imbalance", "RankscopeStageImbalance", STAGE_IMBALANCE),
+    cause("load_imbalance", "RankscopeLoadImbalance", LOAD_IMBALANCE),
     cause("input_bound", "RankscopeInputBound", INPUT_BOUND),
     Record(NETWORK_STALL_RECORD, NETWORK_STALL),
     cause("network_stall", "RankscopeNetworkStall", NETWORK_STALL_RECORD),
@@ -720,12 +799,50 @@ ALERTS: tuple[Alert, ...] = (
           # per step is then meaningless, and the cause already pages.
           STRAGGLER + f"\nunless on (run) run:rankscope_cause:present{{cause=~\"{STALL_CAUSES}|network_degraded\"}}",
           "warning",
-          "Straggler in run {{ $labels.run }}: rank {{ $labels.rank }} on node {{ $labels.node }}",
-          "In " + WHO + ", compute takes {{ printf `%.2g` $value }}x the median of its peers per step ("
-          "{{ with printf `rank:rankscope_phase_seconds:compute_per_step{run=\"%s\",rank=\"%s\"}` $labels.run "
-          "$labels.rank | query }}{{ . | first | value | humanizeDuration }}{{ end }} against "
-          "{{ with printf `run:rankscope_phase_seconds:compute_per_step_peer_median{run=\"%s\"}` $labels.run | query }}"
+          "Straggler in run {{ $labels.run }}: {{ if $labels.rank }}rank {{ $labels.rank }}{{ else }}tensor-parallel "
+          "group {{ $labels.tp_group }}{{ end }} on node {{ $labels.node }}",
+          "In run {{ $labels.run }}, {{ if $labels.rank }}rank {{ $labels.rank }}{{ else }}tensor-parallel group "
+          "{{ $labels.tp_group }} (ranks "
+          "{{ range $i, $s := printf `" + LAYOUT_RECORD + "{run=\"%s\",tp_group=\"%s\",node=\"%s\"}` $labels.run "
+          "$labels.tp_group $labels.node | query | sortByLabel \"rank\" }}{{ if $i }}, {{ end }}{{ $s.Labels.rank }}"
+          "{{ end }}: its ranks compute equally long by construction, so no metric picks one GPU of them){{ end }} "
+          "on node {{ $labels.node }}{{ if $labels.stage }} (pipeline stage {{ $labels.stage }}){{ end }}, "
+          "compute takes {{ printf `%.2g` $value }}x the median of its peers{{ if $labels.stage }} in its stage"
+          "{{ end }} per step ("
+          "{{ with printf `max(rank:rankscope_phase_seconds:compute_per_step{run=\"%s\",rank=~\"%s\",tp_group=\"%s\"})` "
+          "$labels.run (or $labels.rank \".+\") $labels.tp_group | query }}{{ . | first | value | humanizeDuration }}"
+          "{{ end }} against "
+          "{{ with printf `" + STAGE_PEER_MEDIAN + "{run=\"%s\",stage=\"%s\"}` $labels.run $labels.stage | query }}"
           "{{ . | first | value | humanizeDuration }}{{ end }}); its peers wait for it in every collective."),
+    Alert("RankscopeStageImbalance",
+          STAGE_IMBALANCE + f"\nunless on (run) run:rankscope_cause:present{{cause=~\"{STALL_CAUSES}\"}}",
+          "warning",
+          "Pipeline stage {{ $labels.stage }} of run {{ $labels.run }} is {{ printf `%.2g` $value }}x slower "
+          "than the other stages",
+          "In run {{ $labels.run }}, pipeline stage {{ $labels.stage }} computes {{ printf `%.2g` $value }}x the "
+          "median of the other stages per step ("
+          "{{ with printf `stage:rankscope_phase_seconds:compute_per_step{run=\"%s\",stage=\"%s\"}` $labels.run "
+          "$labels.stage | query }}{{ . | first | value | humanizeDuration }}{{ end }}; every stage: "
+          "{{ range $i, $s := printf `stage:rankscope_phase_seconds:compute_per_step{run=\"%s\"}` $labels.run | query "
+          "| sortByLabel \"stage\" }}{{ if $i }}, {{ end }}{{ $s.Labels.stage }} {{ $s.Value | humanizeDuration }}"
+          "{{ end }}). Its ranks: "
+          "{{ range $i, $s := printf `" + LAYOUT_RECORD + "{run=\"%s\",stage=\"%s\"}` $labels.run $labels.stage "
+          "| query | sortByLabel \"rank\" }}{{ if $i }}, {{ end }}{{ $s.Labels.rank }}{{ end }}. All of them are "
+          "slower alike: the split of the model between stages is uneven, not a rank or node, and the other "
+          "stages wait for this one at every hand-off. Rebalance the stages (move layers out of stage "
+          "{{ $labels.stage }}, or weigh the split by each layer's cost)."),
+    Alert("RankscopeLoadImbalance",
+          LOAD_IMBALANCE + f"\nunless on (run) run:rankscope_cause:present{{cause=~\"{STALL_CAUSES}|straggler\"}}",
+          "warning",
+          "Uneven work per step in run {{ $labels.run }}{{ if $labels.stage }} (pipeline stage "
+          "{{ $labels.stage }}){{ end }}",
+          "In run {{ $labels.run }}{{ if $labels.stage }}, pipeline stage {{ $labels.stage }}{{ end }}, the slowest "
+          "rank of each step computes {{ printf `%.2g` $value }}x the median rank's compute on average over the "
+          "last <<load_imbalance_window>>, while no rank is persistently slower than its peers (each within "
+          "<<load_imbalance_max_rank_ratio>>x over <<rate_window>>): the slowest rank changes from step to step, "
+          "and every step waits for it. No rank is to blame: the work per rank and step is uneven (sequences "
+          "of random length, unpacked batches, MoE routing). Balance it: pack or bucket sequences by length, "
+          "balance tokens per rank, check the router's load balancing."),
     Alert("RankscopeNetworkDegraded",
           NETWORK_DEGRADED,
           "warning",
@@ -861,15 +978,22 @@ RULE_GROUPS: tuple[Group, ...] = (
         "run:rankscope_step_duration_seconds:spread_ratio",
         "run:rankscope_steps:rate",
     ), WARNING),
-    # Warm-up and compute per step against the peers (the straggler's records), and
-    # the straggler cause computed from them. Only warnings read them (the bottleneck
+    # Warm-up, the ranks' layout and compute per step against the peers of their stage (the
+    # straggler's records), the stages against each other and the spread of each step's
+    # compute, and the causes computed from them. Only warnings read them (the bottleneck
     # alerts, whose victims the straggler cause keeps quiet).
     Group("rankscope.recording.phases", (
         "rank:rankscope_steps:warming_up",
+        LAYOUT_RECORD,
         "rank:rankscope_phase_seconds:compute_per_step",
-        "run:rankscope_phase_seconds:compute_per_step_peer_median",
+        STAGE_PEER_MEDIAN,
         "rank:rankscope_phase_seconds:compute_per_step_peer_ratio",
+        "stage:rankscope_phase_seconds:compute_per_step",
+        "stage:rankscope_phase_seconds:compute_per_step_ratio",
+        "stage:rankscope_step_last_compute_seconds:max_over_median",
         _cause("straggler"),
+        _cause("stage_imbalance"),
+        _cause("load_imbalance"),
     ), WARNING),
     # Each phase's share of the step (InputBound, CommunicationBound) and the
     # input_bound cause; the cause reads the warm-up record of the group above as
@@ -977,6 +1101,8 @@ RULE_GROUPS: tuple[Group, ...] = (
     Group("rankscope.alerts.bottlenecks", (
         "RankscopeNetworkDegraded",
         "RankscopeStraggler",
+        "RankscopeStageImbalance",
+        "RankscopeLoadImbalance",
         "RankscopeInputBound",
         "RankscopeCommunicationBound",
         "RankscopeThroughputDrop",

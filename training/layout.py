@@ -16,6 +16,7 @@ parameters are DTensors reads their root mesh, ``watch()`` on a
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -115,11 +116,15 @@ class Layout:
 def from_mesh(mesh: Any) -> Layout | None:
     """The rank's coordinates on the root of ``mesh`` (the whole job's mesh, of which a model's
     parameters often hold a sub-mesh); None without dimension names or outside the mesh."""
-    try:
-        from torch.distributed.device_mesh import _mesh_resources
+    root = mesh
+    try:   # torch >= 2.8 keeps the root on the mesh; before, in the mesh registry
+        get_root = getattr(mesh, "_get_root_mesh", None)
+        if get_root is None:
+            from torch.distributed.device_mesh import _mesh_resources
 
-        root = _mesh_resources.get_root_mesh(mesh)
-    except Exception:   # an older torch, or a mesh it does not know
+            get_root = functools.partial(_mesh_resources.get_root_mesh, mesh)
+        root = get_root() or mesh
+    except Exception:   # a mesh it does not know
         root = mesh
     names, coordinate = getattr(root, "mesh_dim_names", None), root.get_coordinate()
     if not names or coordinate is None:
