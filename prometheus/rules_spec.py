@@ -121,6 +121,15 @@ GPU_WHO = ("GPU {{ $labels.gpu }} ({{ $labels.uuid }}) on node {{ $labels.node }
            "{{ else }}, used by no live rank{{ end }}")
 
 
+def stalled_past(bar: str, steps: str) -> str:
+    """No step for ``bar`` seconds, nor for ``steps`` times the rank's last step's duration where
+    it is known: a job whose steps take minutes is not stalled between two of them (long steps
+    are not hangs)."""
+    return (f"rankscope_step_stalled_seconds{{SEL}} > {bar}\n"
+            f"unless on (run, rank) (rankscope_step_stalled_seconds{{SEL}}"
+            f" <= on (run, rank) group_left () ({steps} * rankscope_step_last_duration_seconds{{SEL}}))")
+
+
 # ---- conditions, each written once: the alert that pages on it and the run's
 # ---- "cause present" record that keeps its victims quiet use the same text ----
 
@@ -139,7 +148,8 @@ HANG_SUSPECT = (
     "  or on (run, rank) (\n"
     "    max by (run, rank) (rankscope_collective_in_flight_seconds{SEL}) == 0\n"
     "    and on (run) (max by (run) (rankscope_collective_in_flight_seconds{SEL}) > <<hang_peer_wait_seconds>>)\n"
-    "    and on (run, rank) (rankscope_step_stalled_seconds{SEL} > <<hang_peer_wait_seconds>>)\n"
+    "    and on (run, rank) (\n      " + _indent(stalled_past("<<hang_peer_wait_seconds>>", "<<hang_after_steps>>"), "      ")
+    + "\n    )\n"
     "  )\n"
     ")\n"
     "unless on (run, rank) (rankscope_rank_state{SEL,state=\"frozen\"} == 1)")
@@ -161,7 +171,7 @@ RANK_FROZEN_RECORD = "rank:rankscope_heartbeat_age_seconds:frozen"
 STALLED = (
     "(\n"
     "  (\n"
-    "    rankscope_step_stalled_seconds{SEL} > <<stall_seconds>>\n"
+    "    " + _indent(stalled_past("<<stall_seconds>>", "<<stall_after_steps>>"), "    ") + "\n"
     "    unless on (run, rank) (rankscope_steps_total{SEL} == 0)\n"
     "  )\n"
     "  or rankscope_step_stalled_seconds{SEL} > <<startup_stall_seconds>>\n"
@@ -334,7 +344,8 @@ SEQ_BEHIND = (
 # the cause and the alert evaluated after it in its group: the same evaluation's value.
 COLLECTIVE_BEHIND = (
     SEQ_BEHIND + "\n"
-    "and on (run, rank) (rankscope_step_stalled_seconds{SEL} > <<collective_behind_wait_seconds>>)\n"
+    "and on (run, rank) (\n  " + _indent(stalled_past("<<collective_behind_wait_seconds>>", "<<hang_after_steps>>"))
+    + "\n)\n"
     "unless on (run, rank) (rankscope_rank_state{SEL,state=~\"frozen|stuck_in_collective\"} == 1)")
 SEQ_BEHIND_RECORD = "rank_group:rankscope_process_group_seq:behind"
 # (Its exporter says a rank behind is waiting inside a collective itself: it issued it, and
