@@ -420,6 +420,34 @@ def ranks_and_stragglers() -> dash.Dashboard:
         [query(f"sum by (le) (increase(rankscope_step_duration_seconds_bucket{{{SEL}}}[{RATE}]))",
                "{{le}}", fmt=PromQueryFormat.HEATMAP)], y_unit="s"))
 
+    # Ranks of different pipeline stages do different work by design: the stage rules
+    # (RankscopeStageImbalance, RankscopeLoadImbalance) and the straggler compare within a
+    # stage; these panels read the same records. Empty for a job without stages (first two).
+    d = d.with_row(dash.Row("Pipeline stages and load balance"))
+    d = d.with_panel(ts(
+        "Compute time per step per stage",
+        "Each pipeline stage's compute per step (forward + backward + optimizer): the median of its ranks "
+        "without its slowest, so one straggler does not move it. Empty for a job without pipeline stages "
+        "(rankscope_rank_layout_info). 2m window.", "s",
+        [query(f"stage:rankscope_phase_seconds:compute_per_step{{{RUN_SEL}}}", "stage {{stage}}")]))
+    d = d.with_panel(ts(
+        "Stages against each other",
+        "Each stage's compute per step over the median of the other stages (100% = balanced; "
+        "RankscopeStageImbalance warns above 125%: move layers out of that stage). 2m window.", "percentunit",
+        [query(f"stage:rankscope_phase_seconds:compute_per_step_ratio{{{RUN_SEL}}}", "stage {{stage}}")]))
+    d = d.with_panel(ts(
+        "Slowest rank of the step over the median (load imbalance)",
+        "The slowest rank's last step over its stage's median, each evaluation: the share of each step lost to "
+        "the rank that is slowest at that moment (RankscopeLoadImbalance warns when its 10m average is above "
+        "130% while no rank is persistently slower: uneven work, not a faulty rank).", "percentunit",
+        [query(f"stage:rankscope_step_last_compute_seconds:max_over_median{{{RUN_SEL}}}", "stage {{stage}}")]))
+    d = d.with_panel(table_panel(
+        "Parallel layout", "Each rank's pipeline stage, tensor-parallel group and mesh coordinates "
+        "(rankscope_rank_layout_info): learnt from watch() or stated with RANKSCOPE_LAYOUT; empty labels where "
+        "the job has none.", "none",
+        [query(f"rank:rankscope_rank_layout_info:current{{{SEL}}}", instant=True, fmt=PromQueryFormat.TABLE)],
+        hide=("Time", "__name__", "job", "instance", "Value")))
+
     d = d.with_row(dash.Row("Where the step time goes"))
     d = d.with_panel(ts(
         "Phase breakdown per rank",

@@ -6,12 +6,14 @@ label-values look-ups), substitutes them and Grafana's built-ins into every
 panel query, and runs each one (range queries over the jobs' lifetime with a
 1 s step, instant queries at the end) against Debian's Prometheus 2.42. That
 Prometheus scraped, every second and with the repository's recording and
-alert rules loaded, two real 2-rank DDP jobs of the reference trainer:
+alert rules loaded, real jobs of the reference trainer:
 
 - MAIN_RUN trains, then its last rank gets a loss spike, a NaN loss and
   finally hangs before a collective (so divergence counters move, an alert
   fires, the peer waits in a collective and the hang suspect is named);
-- OOM_RUN's last rank raises an out-of-memory error in a step and dies.
+- OOM_RUN's last rank raises an out-of-memory error in a step and dies;
+- PIPELINE_RUN is a 4-rank pipeline (2 stages, the second holding 1.6x the layers):
+  the per-stage panels.
 
 Every query must execute without error and, unless listed in NO_DATA_HERE
 with its reason, return data. Panels that only have data during a fault are
@@ -43,6 +45,7 @@ RULE_FILES = sorted((ROOT / "prometheus" / "rules").glob("*.yml"))
 MAIN_RUN = "dashboards-main"
 HANG_AT = 160  # step before whose collective MAIN_RUN's rank 1 hangs
 OOM_RUN = "dashboards-oom"
+PIPELINE_RUN = "dashboards-pipeline"   # 4 ranks, 2 pipeline stages, the second 1.6x the first
 SCRAPE_INTERVAL_S = 1
 # Grafana's $__rate_interval is max($__interval + scrape interval, 4 x scrape interval).
 BUILTINS = {
@@ -61,6 +64,8 @@ FAULT_RUN = {
     ("rankscope-memory-devices", "OOM events"): OOM_RUN,
     ("rankscope-memory-devices", "Ranks that hit OOM"): OOM_RUN,
     ("rankscope-run-overview", "Ranks down"): OOM_RUN,
+    ("rankscope-ranks", "Compute time per step per stage"): PIPELINE_RUN,
+    ("rankscope-ranks", "Stages against each other"): PIPELINE_RUN,
 }
 
 NO_GPU = "no GPU on this machine: the exporter has no NVML series (checked: the query executes)"
@@ -207,7 +212,7 @@ def _every_group_evaluated_since(prom: PrometheusServer, t: float) -> bool:
 
 @pytest.fixture(scope="module")
 def runner():
-    """Two real jobs, one Prometheus scraping both; yields once every fault is visible in Prometheus."""
+    """Three real jobs, one Prometheus scraping them; yields once every fault is visible in Prometheus."""
     assert RULE_FILES, "prometheus/rules/*.yml missing"
     with contextlib.ExitStack() as stack:
         # MAIN_RUN: rank 1 is slow (so steps take ~50 ms and there is time to
@@ -219,8 +224,11 @@ def runner():
         oom = stack.enter_context(TrainJob(
             nproc=2, steps=2000, env=FAST_EXPORTER_ENV, run_id=OOM_RUN,
             extra_args=["--step-delay", "0.05", "--oom-at", "80"]))
+        pipeline = stack.enter_context(TrainJob(
+            nproc=4, steps=2000, env=FAST_EXPORTER_ENV, run_id=PIPELINE_RUN,
+            extra_args=["--parallelism", "pipeline", "--step-delay", "0.05", "--stage-cost", "1,1.6"]))
         start = time.time()
-        prom = stack.enter_context(PrometheusServer(targets=[job_target(main), job_target(oom)],
+        prom = stack.enter_context(PrometheusServer(targets=[job_target(main), job_target(oom), job_target(pipeline)],
                                                     rule_files=RULE_FILES,
                                                     scrape_interval=f"{SCRAPE_INTERVAL_S}s",
                                                     evaluation_interval=f"{SCRAPE_INTERVAL_S}s"))
@@ -235,6 +243,7 @@ def runner():
             f'ALERTS{{run="{MAIN_RUN}", alertname="RankscopeNonFiniteLoss"}}',
             f'rankscope_rank_up{{run="{OOM_RUN}", rank="1"}} == 0'
             f' and on (run, rank) rankscope_oom_total{{run="{OOM_RUN}"}} > 0',
+            f'stage:rankscope_phase_seconds:compute_per_step_ratio{{run="{PIPELINE_RUN}", stage="1"}} > 1.3',
         ]
         for expr in faults:
             prom.wait_for(lambda e=expr: _query_ok(prom, e), timeout=120, what=expr)
@@ -255,7 +264,7 @@ def test_variable_query_returns_values(runner, uid, name, query):
     found = runner.label_values(query, values)
     assert found, f"{uid}: variable {name} is empty"
     if name == "run":
-        assert {MAIN_RUN, OOM_RUN} <= set(found)
+        assert {MAIN_RUN, OOM_RUN, PIPELINE_RUN} <= set(found)
     if name == "rank":
         assert set(found) == {"0", "1"}
 
@@ -294,6 +303,12 @@ def test_fault_panels_name_the_faulty_rank(runner):
     last_state = {rank: RANK_STATES[int(float(code))] for rank, code in last_code.items()}
     assert last_state["0"] == "stuck_in_collective", last_state
     assert last_state["1"] != "stuck_in_collective", last_state
+
+    # The stage panels name the heavier stage (1.6x the layers: ~160% against the other).
+    stages = runner.run(_target("rankscope-ranks", "Stages against each other"),
+                        runner.variables("rankscope-ranks", PIPELINE_RUN))
+    last = {r["metric"]["stage"]: float(r["values"][-1][1]) for r in stages}
+    assert set(last) == {"0", "1"} and 1.4 < last["1"] < 1.8, last
 
     oom = runner.variables("rankscope-memory-devices", OOM_RUN)
     hit = runner.run(_target("rankscope-memory-devices", "Ranks that hit OOM"), oom)

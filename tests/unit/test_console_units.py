@@ -146,3 +146,29 @@ def test_times_durations_and_urls(tmp_path):
     assert local_exporter_url(mine | {"RANKSCOPE_METRICS_PORT": "9555"}) == "http://127.0.0.1:9555/metrics"
     with pytest.raises(SourceError, match="RANKSCOPE_METRICS_PORT"):
         local_exporter_url({"RANKSCOPE_METRICS_PORT": "http"})
+
+
+def test_a_pipeline_job_shows_each_rank_stage_and_ranks_it_within_its_stage():
+    """Ranks of different stages do different work: top shows the stage, the report ranks a rank
+    against its own stage's median (stage 1's ranks at 1.6x stage 0's are not stragglers)."""
+    from rich.console import Console
+    import io
+
+    now = []
+    for rank, stage in ((0, "0"), (1, "1")):
+        now += _rank("r", rank, steps=5, buckets={0.1: 5, math.inf: 5}, phases={"forward": 1.0})
+        ident = {"run": "r", "rank": str(rank), "local_rank": str(rank), "node": "n1"}
+        now += [Series("rankscope_rank_layout_info", {**ident, "stage": "9", "tp_group": "", "mesh": "pp=9"}, 0.0),
+                Series("rankscope_rank_layout_info", {**ident, "stage": stage, "tp_group": "", "mesh": f"pp={stage}"},
+                       1.0)]
+    view = build_view("r", now, source="test")
+    assert [row.stage for row in view.rows] == ["0", "1"]   # the layout it has now, not one it had
+    out = io.StringIO()
+    Console(file=out, width=220, no_color=True, color_system=None).print(render(view, Screen(), color=False,
+                                                                               live=False))
+    assert "stage" in out.getvalue()
+    per_rank = {"0": {"forward": 0.05}, "1": {"forward": 0.05}, "2": {"forward": 0.08}, "3": {"forward": 0.128}}
+    ranking = straggler_ranking(per_rank, {}, {"0": "0", "1": "0", "2": "1", "3": "1"})
+    assert ranking[0]["rank"] == 3 and ranking[0]["stage"] == "1"
+    assert ranking[0]["excess_over_median"] == pytest.approx(0.128 / 0.104 - 1)
+    assert {r["rank"]: r["excess_over_median"] for r in ranking}[2] < 0   # 1.6x stage 0, below its stage's median

@@ -256,6 +256,15 @@ def test_long_steps_are_not_hangs_but_a_hang_in_them_is_found_within_three_steps
     hung = [rank(2, 140, True), rank(3, 140, False)]
     derive_states(hung, cfg, now)
     assert [v.state for v in hung] == ["stuck_in_collective", "stuck"] and hung[1].suspect
+    # Before its first step, a rank's pace is unknown: 40 s into a first 45 s step it is starting;
+    # stuck only where its peers wait for it (a start-up hang), or it waits inside a collective.
+    first = [_view(5, heartbeat=now, started=now - 40), _view(6, heartbeat=now, started=now - 40)]
+    derive_states(first, cfg, now)
+    assert [v.state for v in first] == ["starting", "starting"] and not any(v.suspect for v in first)
+    at_start = [_view(7, heartbeat=now, started=now - 40), _view(8, heartbeat=now, started=now - 40,
+                                                                 in_flight={"broadcast": now - 35})]
+    derive_states(at_start, cfg, now)
+    assert [v.state for v in at_start] == ["stuck", "stuck_in_collective"] and at_start[0].suspect
     short = [rank(4, 40, False, step_time=0.05)]   # a fast job keeps today's 30 s
     derive_states(short, cfg, now)
     assert short[0].state == "stuck"

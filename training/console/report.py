@@ -24,6 +24,7 @@ import io
 import json
 import math
 import re
+import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -244,19 +245,24 @@ def phase_breakdown(per_rank: dict[str, dict[str, float]]) -> Plot:
     return Plot("phase_breakdown", "Phase breakdown per rank", _png(fig), points)
 
 
-def straggler_ranking(per_rank: dict[str, dict[str, float]], nodes: dict[str, str]) -> list[dict[str, Any]]:
-    """Ranks ordered by compute (forward + backward + optimizer) per step, as excess over the ranks' median."""
+def straggler_ranking(per_rank: dict[str, dict[str, float]], nodes: dict[str, str],
+                      stages: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Ranks ordered by compute (forward + backward + optimizer) per step, as excess over the median of
+    the ranks of their pipeline stage (``stages``: rank -> stage; a job without stages is one stage),
+    as the straggler rule compares them: ranks of different stages do different work."""
+    stages = stages or {}
     compute = {r: sum(p.get(ph, 0.0) for ph in COMPUTE_PHASES) for r, p in per_rank.items()}
-    values = sorted(compute.values())
-    if not values:
-        return []
-    mid = len(values) // 2
-    median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-    ranking = [{"rank": int(r), "node": nodes.get(r, ""), "compute_per_step_s": c,
-                "excess_over_median": (c / median - 1.0) if median > 0 else 0.0,
-                "comm_wait_per_step_s": per_rank[r].get("comm_wait", 0.0),
-                "data_per_step_s": per_rank[r].get("data", 0.0)}
-               for r, c in compute.items()]
+    by_stage: dict[str, list[float]] = {}
+    for r, c in compute.items():
+        by_stage.setdefault(stages.get(r, ""), []).append(c)
+    medians = {stage: statistics.median(values) for stage, values in by_stage.items()}
+    ranking = []
+    for r, c in compute.items():
+        median = medians[stages.get(r, "")]
+        ranking.append({"rank": int(r), "node": nodes.get(r, ""), "stage": stages.get(r, ""),
+                        "compute_per_step_s": c, "excess_over_median": (c / median - 1.0) if median > 0 else 0.0,
+                        "comm_wait_per_step_s": per_rank[r].get("comm_wait", 0.0),
+                        "data_per_step_s": per_rank[r].get("data", 0.0)})
     ranking.sort(key=lambda x: (-x["excess_over_median"], x["rank"]))
     return ranking
 
@@ -579,12 +585,15 @@ def render_html(facts: dict[str, Any], plots: list[Plot]) -> str:
 
     parts.append("<h2>Step time per rank over time</h2>" + figure("step_time_heatmap"))
     parts.append("<h2>Phase breakdown per rank</h2>" + figure("phase_breakdown"))
+    staged = any(r["stage"] for r in facts["straggler_ranking"])
     parts.append("<h2>Straggler ranking</h2><p class='note'>Ranks ordered by compute (forward + backward + "
-                 "optimizer) per step over the ranks' median, across the whole window. A rank that waits for a "
-                 "straggler shows it as comm wait, not compute.</p><table><tr><th>#</th><th>rank</th><th>node</th>"
+                 "optimizer) per step over the median of the ranks of their pipeline stage, across the whole "
+                 "window. A rank that waits for a straggler shows it as comm wait, not compute.</p><table><tr>"
+                 "<th>#</th><th>rank</th><th>node</th>" + ("<th>stage</th>" if staged else "") +
                  "<th>compute / step</th><th>over median</th><th>comm wait / step</th><th>data / step</th></tr>")
     for i, r in enumerate(facts["straggler_ranking"][:MAX_RANKED_BARS], 1):
         parts.append(f"<tr><td class='num'>{i}</td><td class='num'>{r['rank']}</td><td>{e(r['node'])}</td>"
+                     + (f"<td class='num'>{e(r['stage'])}</td>" if staged else "") +
                      f"<td class='num'>{_fmt_s(r['compute_per_step_s'])}</td>"
                      f"<td class='num'>{100 * r['excess_over_median']:+.1f}%</td>"
                      f"<td class='num'>{_fmt_s(r['comm_wait_per_step_s'])}</td>"
@@ -634,7 +643,9 @@ def write_report(prometheus_url: str, run: str, out: Path, *, start: str | None 
     per_rank = phase_totals(d)
     nodes = {s.labels.get("rank"): s.labels.get("node", "")
              for s in d.total(f"last_over_time(rankscope_steps_total{{{d.sel}}}[{d.window}])")}
-    ranking = straggler_ranking(per_rank, nodes)
+    stages = {s.labels.get("rank"): s.labels.get("stage", "")
+              for s in d.total(f"last_over_time(rankscope_rank_layout_info{{{d.sel}}}[{d.window}]) == 1")}
+    ranking = straggler_ranking(per_rank, nodes, stages)
     alerts = alert_intervals(d)
     captured = evidence_captured(d)
     collectives_plot, collective_stats = collective_distribution(d)

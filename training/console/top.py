@@ -302,7 +302,9 @@ def render(view: RunView | None, screen: Screen, *, color: bool, live: bool) -> 
 
     table = Table(box=box.SIMPLE_HEAD if color else box.ASCII2, pad_edge=False, expand=False, collapse_padding=color,
                   header_style="bold" if color else "")
-    for name, justify in (("rank", "right"), ("node", "left"), ("state", "left"), ("step", "right"),
+    staged = any(row.stage for row in view.rows)   # a pipeline job: each rank's stage beside its node
+    for name, justify in (("rank", "right"), ("node", "left"), *([("stage", "right")] if staged else []),
+                          ("state", "left"), ("step", "right"),
                           ("lag", "right"), ("last", "right"), ("median", "right"), ("phases", "left"),
                           ("loss", "right"), ("grad norm", "right"), ("memory", "right"),
                           ("collective", "left"), ("age", "right"), ("hang", "left"), ("evidence", "left")):
@@ -316,7 +318,8 @@ def render(view: RunView | None, screen: Screen, *, color: bool, live: bool) -> 
         lag = "-" if row.lag is None else f"{row.lag:.0f}"
         collective = Text(row.collective or "-", style="yellow" if (color and row.collective) else "")
         hang = Text(SUSPECT_MARK, style="bold white on red" if color else "") if row.suspect else Text("")
-        table.add_row(str(row.rank), row.node, state, "-" if row.step is None else f"{row.step:.0f}", lag,
+        table.add_row(str(row.rank), row.node, *([row.stage or "-"] if staged else []), state,
+                      "-" if row.step is None else f"{row.step:.0f}", lag,
                       _seconds(row.last_step_s), _seconds(row.median_step_s), bar, _number(row.loss),
                       _number(row.grad_norm), _memory(row), collective,
                       _seconds(row.collective_age_s) if row.collective else "-", hang, row.evidence or "")

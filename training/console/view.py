@@ -36,6 +36,7 @@ class RankRow:
     run: str
     rank: int
     node: str
+    stage: str = ""                  # pipeline stage (rankscope_rank_layout_info), "" without stages
     state: str = "unknown"
     up: bool = True
     suspect: bool = False
@@ -218,6 +219,7 @@ def build_view(run: str, now: list[Series], *, source: str, baseline: list[Serie
         failures = r.labelled("rankscope_rank_failure_info", "exception")
         row.exception = next((e for e, v in failures.items() if v >= 1), "")
         row.evidence = next(iter(r.labelled("rankscope_evidence_captured_timestamp_seconds", "trigger")), "")
+        row.stage = next((st for st, v in r.labelled("rankscope_rank_layout_info", "stage").items() if v >= 1), "")
         row.step = r.value("rankscope_step")
         row.last_step_s = r.value("rankscope_step_last_duration_seconds")
         row.stalled_s = r.value("rankscope_step_stalled_seconds")
