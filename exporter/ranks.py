@@ -65,9 +65,12 @@ def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> Non
             v.state = "dead"
         elif process_state(v.reg.pid) == "T" or (v.heartbeat and now - v.heartbeat > cfg.frozen_after_s):
             v.state = "frozen"
-        elif stalled > v.stuck_after(cfg):
+        elif stalled > v.stuck_after(cfg) and (v.in_flight or v.last_step):
             v.state = "stuck_in_collective" if v.in_flight else "stuck"
         elif not v.last_step:
+            # Before its first step the rank's pace is unknown (a first step of minutes, a
+            # compilation): outside a collective it is starting, and stuck only as the suspect
+            # its waiting peers make it (below). Inside one, it waits for a peer: stuck.
             v.state = "starting"
         else:
             v.state = "progressing"
@@ -82,6 +85,8 @@ def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> Non
         outside = not v.in_flight or v.state == "frozen"
         # Between two long steps a rank is outside any collective for a while: not a suspect.
         v.suspect = outside and stalled > max(cfg.suspect_after_s, cfg.stuck_after_steps * v.step_time)
+        if v.suspect and v.state == "starting" and stalled > v.stuck_after(cfg):
+            v.state = "stuck"   # its peers wait for it: a start-up hang
 
 
 class RecentStepTimes:

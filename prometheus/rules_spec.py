@@ -165,8 +165,9 @@ RANK_DOWN_RECORD = "rank:rankscope_rank_up:down"
 RANK_FROZEN_RECORD = "rank:rankscope_heartbeat_age_seconds:frozen"
 
 # No step for stall_seconds; a rank that has not completed its first step yet
-# (loading a checkpoint, compiling) gets startup_stall_seconds. Either way a
-# rank whose step counter still grows is not stalled, whatever its last-step
+# (loading a checkpoint, compiling) gets startup_stall_seconds; and in both, no
+# step for stall_after_steps of the rank's own last step (long steps are not
+# stalls). Either way a rank whose step counter still grows is not stalled, whatever its last-step
 # clock says (a rank-side bug once froze that clock while steps were counted).
 STALLED = (
     "(\n"
@@ -174,7 +175,7 @@ STALLED = (
     "    " + _indent(stalled_past("<<stall_seconds>>", "<<stall_after_steps>>"), "    ") + "\n"
     "    unless on (run, rank) (rankscope_steps_total{SEL} == 0)\n"
     "  )\n"
-    "  or rankscope_step_stalled_seconds{SEL} > <<startup_stall_seconds>>\n"
+    "  or (\n    " + _indent(stalled_past("<<startup_stall_seconds>>", "<<stall_after_steps>>"), "    ") + "\n  )\n"
     ")\n"
     "unless on (run, rank) (increase(rankscope_steps_total{SEL}[<<progress_window>>]) > 0)")
 
@@ -260,13 +261,17 @@ COMM_BOUND = "(\n  " + _indent(hysteresis(
     lambda bar: f"rank_phase:rankscope_phase_seconds:fraction{{phase=\"comm_wait\"}} > {bar}",
     "<<comm_bound_ratio>>", "<<comm_bound_hold_ratio>>")) + "\n)" + WARM
 
+# Not for a run whose rate window holds only a few steps (steps of a minute or more): its rate
+# moves by a whole step at a time, and a stop shows as a stall or a hang instead.
 THROUGHPUT_DROP = "(\n  " + _indent(hysteresis(
     "RankscopeThroughputDrop",
     lambda bar: ("run:rankscope_steps:rate\n"
                  f"< {bar} * avg_over_time(run:rankscope_steps:rate[<<throughput_baseline_window>>]"
                  " offset <<throughput_baseline_offset>>)"),
     "<<throughput_drop_ratio>>", "<<throughput_drop_hold_ratio>>", on="run")) + "\n)" \
-    "\nunless on (run) rank:rankscope_steps:warming_up"
+    "\nunless on (run) rank:rankscope_steps:warming_up" \
+    "\nand on (run) (avg_over_time(run:rankscope_steps:rate[<<throughput_baseline_window>>]" \
+    " offset <<throughput_baseline_offset>>) * <<rate_window:seconds>> >= <<throughput_min_steps_per_window>>)"
 
 # Goodput: the share of the run's wall time that trained, averaged over its ranks
 # (a hung, idle or frozen rank counts its 0). Judged once the window lies after

@@ -253,6 +253,11 @@ class Monitor:
             raise ValueError(f"monitor.checkpoint_took(kind={kind!r}): kind is 'save' or 'restore'")
         self.handoff.interval_ended("checkpoint_" + kind, t0, t1)
 
+    def evaluation_took(self, t0: float, t1: float) -> None:
+        """An evaluation pass ran from ``t0`` to ``t1`` (``time.perf_counter()``): what
+        ``with monitor.evaluation()`` records, for code that only learns of it afterwards."""
+        self.handoff.interval_ended("evaluation", t0, t1)
+
     @contextmanager
     def _block(self, category: str) -> Iterator[None]:
         timer = self.steps

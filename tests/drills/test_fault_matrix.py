@@ -66,7 +66,6 @@ SCORECARD_TARGET = 0.95   # of the interruptions, weighted by how often each cau
 
 STEPS = 100_000            # jobs run until the test ends them
 FAULT_STEP = 200           # ~10 s into training, after Prometheus's first scrape
-PAGE_TIMEOUT = 90.0        # fault to the cause's delivery
 OBSERVE_AFTER_S = 20.0     # after the cause's delivery, how long other deliveries are awaited
 PARALLEL = 3               # slow-stepping jobs: three at a time fit on two cores
 
@@ -85,6 +84,10 @@ class Fault:
     node: str = ""                       # the node the cause must name (a network fault names no rank)
     allowed: tuple[tuple[str, str], ...] = ()   # (alertname, why) also delivered, by design
     cgroup_limit_mb: int = 0             # run the job in a memory cgroup with this limit
+    nproc: int = 2                       # ranks of a one-node job
+    stage: str = ""                      # the pipeline stage the cause must name
+    page_timeout: float = 90.0           # fault to the cause's delivery
+    calm_until_fault: bool = False       # no rank may read stuck, nor be a hang suspect, before the fault
 
     @property
     def path(self) -> str:
@@ -136,6 +139,24 @@ FAULTS = (
           fabric=True),
     # The same two namespaced nodes, healthy: nothing may be delivered.
     Fault("network_healthy", (), "", ranks=(), fabric=True),
+    # Pipeline parallel, 4 ranks: 2 stages x 2 data-parallel replicas. The second stage holds
+    # 1.6x the layers: the split is named, no rank; the first stage's wait is not the network's.
+    Fault("pipeline_stage_heavy", ("--parallelism", "pipeline", "--stage-cost", "1,1.6"), "RankscopeStageImbalance",
+          ranks=(), stage="1", nproc=4, fault_step=None),
+    # The same job with rank 1 (stage 0) slowed to 2x its stage peer: that rank is the straggler,
+    # judged within its stage (stage 1's ranks compute 1.6x it by design and are not named).
+    Fault("pipeline_slow_rank", ("--parallelism", "pipeline", "--stage-cost", "1,1.6", "--slow-rank-delay", "0.05",
+                                 "--fault-rank", "1"), "RankscopeStraggler", nproc=4, fault_step=None,
+          allowed=(("RankscopeStageImbalance", "the split stays uneven: stage 1 still computes 1.6x stage 0, "
+                    "a finding of its own, naming the stage"),)),
+    # 4 DDP ranks whose batches have random lengths (0.2-1x the longest, per rank and step): the
+    # slowest rank changes every step. A ticket that blames no rank. Steps of 0.1 s, so that the
+    # lengths, not four ranks' CPU contention on two cores, set each step's compute.
+    Fault("uneven_batches", ("--uneven-work", "--step-delay", "0.1"), "RankscopeLoadImbalance", ranks=(), nproc=4,
+          fault_step=None, page_timeout=150.0),
+    # 45 s steps (large-model pre-training): never stuck between steps; a hang at step 6 pages.
+    Fault("hang_long_steps", ("--step-delay", "45", "--hang-at", "6"), "RankscopeHangSuspect", fault_step=6,
+          page_timeout=240.0, calm_until_fault=True),
 )
 
 
@@ -150,6 +171,7 @@ class Outcome:
     skipped: str | None = None
     final_states: dict[str, str] = field(default_factory=dict)   # rank -> state, from the exporters at the end
     prometheus_firing: list[dict] = field(default_factory=list)
+    before_fault: list[dict[str, str]] = field(default_factory=list)   # calm_until_fault: rank -> state, each poll
 
     def cause_alerts(self, fault: Fault) -> list[dict]:
         return firing_alerts(self.cause_delivery, fault.cause) if self.cause_delivery else []
@@ -173,7 +195,7 @@ class Jobs:
                                        "RANKSCOPE_METRICS_ADDR": "0.0.0.0", "OMP_NUM_THREADS": "1"})
                          for i in range(2)]
         elif fault.nodes == 1:
-            self.jobs = [TrainJob(nproc=2, steps=STEPS, run_id=run, extra_args=extra, metrics_dir=work / "m0",
+            self.jobs = [TrainJob(nproc=fault.nproc, steps=STEPS, run_id=run, extra_args=extra, metrics_dir=work / "m0",
                                   wrap=cgroup_wrapper(self.cgroup) if self.cgroup else None)]
         else:
             rdzv = free_port()
@@ -227,6 +249,13 @@ def fault_reached(fault: Fault, samples) -> bool:
             or _value(samples, "rankscope_rank_up", "1") == 0)
 
 
+def states_and_suspects(samples) -> dict[str, str]:
+    """Rank -> its state as the exporter reads it, "+suspect" where it is also a hang suspect."""
+    suspects = {s.labels["rank"] for s in samples if s.name == "rankscope_hang_suspect" and s.value}
+    return {s.labels["rank"]: s.labels["state"] + ("+suspect" if s.labels["rank"] in suspects else "")
+            for s in samples if s.name == "rankscope_rank_state" and s.value == 1}
+
+
 def act(fault: Fault, jobs: Jobs) -> None:
     job = jobs.fault_job()
     if fault.act == "sigstop":
@@ -274,7 +303,14 @@ def run_fault(fault: Fault, rules: list[Path], am: AlertmanagerServer, hook: Web
                 wait_until(lambda: job.health(), START_TIMEOUT, f"{fault.name}: the node exporter")
             with PrometheusServer(targets=jobs.targets(), rule_files=rules, alertmanager=am.address) as prom:
                 prom.wait_for_scrape(timeout=30)
-                wait_until(lambda: fault_reached(fault, jobs.scrape()), START_TIMEOUT, f"{fault.name}: the fault step")
+                def reached() -> bool:
+                    samples = jobs.scrape()
+                    if fault.calm_until_fault:
+                        out.before_fault.append(states_and_suspects(samples))
+                    return fault_reached(fault, samples)
+
+                wait_until(reached, START_TIMEOUT + 60 * (fault.fault_step or 0) if fault.calm_until_fault
+                           else START_TIMEOUT, f"{fault.name}: the fault step")
                 if fault.act:
                     act(fault, jobs)
                 t_fault = time.time()
@@ -283,14 +319,15 @@ def run_fault(fault: Fault, rules: list[Path], am: AlertmanagerServer, hook: Web
                     alerts = [a for a in firing_alerts(d, fault.cause) if a["labels"].get("run") == run]
                     named = {a["labels"].get("rank", "") for a in alerts}
                     return (d.path == fault.path and bool(named) and set(fault.ranks) <= named | {""}
-                            and (not fault.node or any(a["labels"].get("node") == fault.node for a in alerts)))
+                            and (not fault.node or any(a["labels"].get("node") == fault.node for a in alerts))
+                            and (not fault.stage or any(a["labels"].get("stage") == fault.stage for a in alerts)))
 
                 if not fault.cause:   # a healthy run: nothing may come
                     time.sleep(FABRIC_HEALTHY_S)
                     out.delivered = run_deliveries(hook, run)
                     return out
                 try:
-                    out.cause_delivery = hook.wait_for(is_cause, timeout=PAGE_TIMEOUT)
+                    out.cause_delivery = hook.wait_for(is_cause, timeout=fault.page_timeout)
                     out.time_to_page_s = max(out.cause_delivery.received_at - t_fault, 0.0)
                     time.sleep(OBSERVE_AFTER_S)
                 finally:
@@ -473,7 +510,8 @@ def render_table(outcomes: dict[str, Outcome | HealthyOutcome]) -> str:
             lines.append(f"| {f.name} ({FABRIC_HEALTHY_S:.0f} s) | none | – | {'**error**' if o.error else delivered} |")
             continue
         seconds = f"{o.time_to_page_s:.1f} s" if o.time_to_page_s is not None else "**not delivered**"
-        named = f" (rank {', '.join(f.ranks)})" if f.ranks else f" (node {f.node})" if f.node else ""
+        named = f" (rank {', '.join(f.ranks)})" if f.ranks else f" (node {f.node})" if f.node else \
+            f" (stage {f.stage})" if f.stage else ""
         lines.append(f"| {f.name} | {f.cause}{named} → {f.path} | {seconds} | {delivered} |")
     if "healthy" in outcomes:
         healthy = outcomes["healthy"]
@@ -529,6 +567,22 @@ def test_a_raised_exception_is_named_and_no_torn_down_rank_reads_finished(matrix
     alerts = [a for a in o.cause_alerts(fault) if a["labels"].get("rank") == "1"]
     assert alerts and "it raised ValueError" in alerts[0]["annotations"]["description"], _describe(o)
     assert o.final_states and "finished" not in o.final_states.values(), o.final_states
+
+
+def test_long_steps_never_read_stuck_before_the_hang(matrix):
+    """45 s steps: polled four times a second over five steps, every rank reads `starting` or
+    `progressing`, never stuck nor a suspect (before: stuck a third of the time, past the
+    exporter's 30 s); the hang after them pages (test_one_page_per_cause)."""
+    fault, o = _ran(matrix, "hang_long_steps")
+    assert len(o.before_fault) > 4 * 4 * 45, len(o.before_fault)
+    unrest = [polled for polled in o.before_fault if set(polled.values()) - {"starting", "progressing"}]
+    assert unrest == [], unrest[:5]
+
+
+def test_a_stage_imbalance_names_the_stage_and_its_ranks(matrix):
+    fault, o = _ran(matrix, "pipeline_stage_heavy")
+    alerts = [a for a in o.cause_alerts(fault) if a["labels"].get("stage") == "1"]
+    assert alerts and "Its ranks: 2, 3." in alerts[0]["annotations"]["description"], _describe(o)
 
 
 def test_lost_node_page_names_the_node(matrix):

@@ -3,7 +3,8 @@
 One job serves every check here: ``Trainer(accelerator="cpu", devices=2,
 strategy="ddp")`` (Lightning launches the second rank itself; gloo), a small
 MLP on synthetic data, the module logging its gradient norm with Lightning's
-``grad_norm`` utility, a checkpoint every CHECKPOINT_EVERY steps, and a NaN loss on
+``grad_norm`` utility, a checkpoint every CHECKPOINT_EVERY steps followed by a
+validation (ModelCheckpoint saves before the validation of the same step), and a NaN loss on
 rank 1 at step NAN_STEP (its gradient stays finite, so only rank 1's loss is
 non-finite). Its node exporter is scraped while it runs by Debian's Prometheus
 with the fast rules, which page through the shipped Alertmanager routes. A
@@ -48,7 +49,7 @@ class Run:
 def _main_job(tmp) -> Run:
     rules = render_rules(tmp / "rules", fast=True)
     job = UserJob("lightning_trainer.py", "--steps", STEPS, "--checkpoint-every", CHECKPOINT_EVERY,
-                  "--nan-rank", FAULT_RANK, "--nan-step", NAN_STEP, tmp_path=tmp, name="lightning")
+                  "--val-every", CHECKPOINT_EVERY, "--nan-rank", FAULT_RANK, "--nan-step", NAN_STEP, tmp_path=tmp, name="lightning")
     with PagedJob(job, rules) as paged:
         job.wait(timeout=240)
         final = paged.final_values()
@@ -112,7 +113,8 @@ def test_steps_total_is_lightnings_global_step_on_every_rank(run):
 
 def test_phases_sum_to_the_step_time_and_step_time_matches_lightnings_timer(run):
     """Lightning's Timer callback times the whole fit loop: its steps and, between them, the
-    checkpoint saves (timed from Lightning's on_save_checkpoint to the next step's start)."""
+    checkpoint saves (timed from Lightning's on_save_checkpoint to the next event) and the
+    validations (on_validation_start to on_validation_end)."""
     for rank in RANKS:
         steps_s = value(run, "rankscope_step_duration_seconds_sum", rank)
         phases = {p: value(run, "rankscope_phase_seconds_total", rank, p)
@@ -122,10 +124,27 @@ def test_phases_sum_to_the_step_time_and_step_time_matches_lightnings_timer(run)
         assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0, phases
         assert value(run, "rankscope_user_checkpoint_save_seconds_count", rank) == STEPS // CHECKPOINT_EVERY
         save_s = value(run, "rankscope_user_checkpoint_save_seconds_sum", rank)
+        eval_s = value(run, "rankscope_wall_seconds_total", rank, "evaluation")
         timer_s = run.results[int(rank)]["train_time"]
-        assert steps_s + save_s == pytest.approx(timer_s, rel=0.05), (steps_s, save_s, timer_s)
+        assert steps_s + save_s + eval_s == pytest.approx(timer_s, rel=0.05), (steps_s, save_s, eval_s, timer_s)
         # The same saves are goodput's checkpoint_save badput (rankscope.step.goodput).
         assert value(run, "rankscope_wall_seconds_total", rank, "checkpoint_save") == pytest.approx(save_s, rel=0.02)
+
+
+def test_validation_and_checkpoint_seconds_are_each_their_own(run):
+    """ModelCheckpoint writes, then the validation of the same step runs: each is booked as
+    itself (it once read 4 s of checkpoint saving for 0.05 s of writes: the validation inside
+    it), within 10% of the times the job measured around them. Rank 0 writes; every rank
+    waits for the write to end."""
+    written_s = run.results[0]["checkpoint_write_s"]
+    assert written_s >= STEPS // CHECKPOINT_EVERY * 0.3   # lightning_trainer.py's SAVE_S per write
+    for rank in RANKS:
+        validated_s = run.results[int(rank)]["validation_s"]
+        assert validated_s >= STEPS // CHECKPOINT_EVERY * 4 * 0.1   # VAL_BATCHES x VAL_BATCH_S each
+        evaluation = value(run, "rankscope_wall_seconds_total", rank, "evaluation")
+        saving = value(run, "rankscope_wall_seconds_total", rank, "checkpoint_save")
+        assert evaluation == pytest.approx(validated_s, rel=0.10), (rank, evaluation, validated_s)
+        assert saving == pytest.approx(written_s, rel=0.10), (rank, saving, written_s)
 
 
 def test_per_rank_loss_is_each_ranks_own_and_they_differ(run):

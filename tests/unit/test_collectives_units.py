@@ -353,3 +353,19 @@ def test_the_cpu_half_of_a_group_with_two_backends_is_its_own_sequence(monkeypat
     assert sink.children[("enqueued", "default", "0")].value == 4
     assert sink.children[("enqueued", "default", "0.cpu")].value == 1
     assert sink.children[("count", "default", "0.cpu", "all_reduce")].value == 1
+
+
+def test_a_flight_recorder_turned_off_is_named_once_with_the_flag_that_did_it(monkeypatch, caplog):
+    """torchtitan's --comm.trace_buf_size 0 sets TORCH_FR_BUFFER_SIZE=0: every FSDP collective count
+    disappears. The warning names the variable and its value, and how many entries to give it."""
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")
+    reader = ProcessGroupReader(Sink(), lambda *a, **k: None, lambda: None, Source(cpu=FakeRecorder()), 8, 60.0,
+                                entries_every_s=0.0, initialized=lambda: True, ring=0)
+    with caplog.at_level("WARNING", logger="rankscope"):
+        reader._warn_if_recorder_off()
+        reader._warn_if_recorder_off()
+    warnings = [r.getMessage() for r in caplog.records if "flight recorder is off" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE=0" in warnings[0] and "--comm.trace_buf_size" in warnings[0]
+    assert "2000" in warnings[0]

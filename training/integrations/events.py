@@ -48,6 +48,7 @@ class EventSteps:
         self.grad_norm: Any = None
         self.lr: Any = None
         self.saving_since = 0.0        # perf_counter at a checkpoint save's start whose end no event marks yet
+        self.evaluating_since = 0.0    # perf_counter at an evaluation's start, while it runs
         self.saves = _save_histogram(monitor)
 
     @property
@@ -70,6 +71,8 @@ class EventSteps:
             # The framework skipped the event that ends a step (a failure it swallowed): the
             # step did not complete, so it is not counted.
             self.end(exc=RuntimeError("the framework started a new step before the last one ended"))
+        if self.evaluating_since:   # an evaluation whose end no event marked
+            self.evaluation_ended()
         if self.saving_since:
             # A save whose end no event marked: its time and the batch fetch after it are not
             # told apart, and the save takes both (a checkpoint is never counted as data wait).
@@ -127,10 +130,25 @@ class EventSteps:
             self.between_steps()
 
     def checkpoint_saving(self) -> None:
-        """The framework begins a checkpoint save; its end is the next event (the next step's start,
-        or the end of training)."""
+        """The framework begins a checkpoint save; its end is the next event (an evaluation's start,
+        the next step's start, or the end of training). A save during an evaluation ends it."""
+        if self.evaluating_since:
+            self.evaluation_ended()
         if self.step is None and not self.saving_since:
             self.saving_since = time.perf_counter()
+
+    def evaluation_started(self) -> None:
+        """The framework begins an evaluation between steps: a save before it has ended."""
+        if self.step is None and not self.evaluating_since:
+            self.between_steps()
+            self.evaluating_since = time.perf_counter()
+
+    def evaluation_ended(self) -> None:
+        """The evaluation is over (or a save inside it began): its seconds are ``evaluation``."""
+        if self.evaluating_since:
+            self.monitor.evaluation_took(self.evaluating_since, time.perf_counter())
+            self.evaluating_since = 0.0
+        self.between_steps()
 
 
 _save_histograms: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()

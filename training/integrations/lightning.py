@@ -15,7 +15,8 @@ optimizer step (``trainer.global_step``):
     on_before_optimizer_step                            -> this batch steps; the learning rate it uses
     on_train_batch_end                                  -> this rank's loss (training_step's output); the
                                                            step ends if the optimizer stepped
-    on_save_checkpoint                                  -> a checkpoint save
+    on_save_checkpoint                                  -> a checkpoint save, until the next event
+    on_validation_start ... on_validation_end           -> ``evaluation`` (a save before it ends there)
     on_exception                                        -> the step ends with the exception (an OOM is counted)
 
 Built on ``lightning`` (``import lightning.pytorch``), or on the older
@@ -178,6 +179,16 @@ class RankscopeCallback(Callback):
         # write's end, so the save lasts until the next step starts (or training ends).
         if self.steps is not None:
             self.steps.checkpoint_saving()
+
+    @guarded
+    def on_validation_start(self, trainer, pl_module):
+        if self.steps is not None:
+            self.steps.evaluation_started()
+
+    @guarded
+    def on_validation_end(self, trainer, pl_module):
+        if self.steps is not None:
+            self.steps.evaluation_ended()
 
     @guarded
     def on_train_end(self, trainer, pl_module):
