@@ -270,8 +270,8 @@ THROUGHPUT_DROP = "(\n  " + _indent(hysteresis(
                  " offset <<throughput_baseline_offset>>)"),
     "<<throughput_drop_ratio>>", "<<throughput_drop_hold_ratio>>", on="run")) + "\n)" \
     "\nunless on (run) rank:rankscope_steps:warming_up" \
-    "\nand on (run) (avg_over_time(run:rankscope_steps:rate[<<throughput_baseline_window>>]" \
-    " offset <<throughput_baseline_offset>>) * <<rate_window:seconds>> >= <<throughput_min_steps_per_window>>)"
+    "\nand on (run) (run:rankscope_steps:rate offset <<throughput_baseline_offset>>" \
+    " * <<rate_window:seconds>> >= <<throughput_min_steps_per_window>>)"
 
 # Goodput: the share of the run's wall time that trained, averaged over its ranks
 # (a hung, idle or frozen rank counts its 0). Judged once the window lies after

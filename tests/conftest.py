@@ -53,6 +53,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration)
 
 
+def pytest_collection_finish(session):
+    """The promtool tests run in the background from here, beside the Python tests (tests/unit/test_rules.py)."""
+    if any(item.name == "test_promtool_unit_tests_pass" for item in session.items):
+        from tests.unit.test_rules import start_promtool_tests
+
+        start_promtool_tests()
+
+
 def long_running(args) -> str | None:
     """What in a Popen argument list makes it a long-running process, or None."""
     argv = shlex.split(args) if isinstance(args, str) else [os.fspath(a) for a in args]
