@@ -66,6 +66,8 @@ FAULT_RUN = {
     ("rankscope-run-overview", "Ranks down"): OOM_RUN,
     ("rankscope-ranks", "Compute time per step per stage"): PIPELINE_RUN,
     ("rankscope-ranks", "Stages against each other"): PIPELINE_RUN,
+    # Recorded every 30 s from ranks that train: MAIN_RUN hangs within seconds of its start.
+    ("rankscope-ranks", "Slowest rank of the step over the median (load imbalance)"): PIPELINE_RUN,
 }
 
 NO_GPU = "no GPU on this machine: the exporter has no NVML series (checked: the query executes)"

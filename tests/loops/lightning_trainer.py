@@ -82,6 +82,7 @@ class Regression(pl.LightningModule):
         self.own_grad_norm = {}
         self.faults = (nan_rank, nan_step, oom_rank, oom_step, hang_rank, hang_step)
         self.validation_s = 0.0
+        self.validations = 0
         self._validation_t0 = 0.0
 
     def validation_step(self, batch, batch_idx):
@@ -94,6 +95,7 @@ class Regression(pl.LightningModule):
 
     def on_validation_end(self):
         self.validation_s += time.perf_counter() - self._validation_t0
+        self.validations += 1
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -164,7 +166,8 @@ def main() -> int:
         "rank": rank, "global_step": trainer.global_step, "train_time": timer.time_elapsed("train"),
         "own_loss": {str(k): v for k, v in sorted(module.own_loss.items())}, "param_bytes": params,
         "own_grad_norm": {str(k): v for k, v in sorted(module.own_grad_norm.items())},
-        "checkpoint_write_s": checkpoint_io.seconds, "validation_s": module.validation_s}))
+        "checkpoint_write_s": checkpoint_io.seconds, "validation_s": module.validation_s,
+        "validations": module.validations}))
     return 0
 
 
