@@ -438,7 +438,7 @@ def ranks_and_stragglers() -> dash.Dashboard:
     d = d.with_panel(ts(
         "Slowest rank of the step over the median (load imbalance)",
         "The slowest rank's last step over its stage's median, each evaluation: the share of each step lost to "
-        "the rank that is slowest at that moment (RankscopeLoadImbalance warns when its 10m average is above "
+        "the rank that is slowest at that moment (RankscopeLoadImbalance warns when its 10m median is above "
         "130% while no rank is persistently slower: uneven work, not a faulty rank).", "percentunit",
         [query(f"stage:rankscope_step_last_compute_seconds:max_over_median{{{RUN_SEL}}}", "stage {{stage}}")]))
     d = d.with_panel(table_panel(

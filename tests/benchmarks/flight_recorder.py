@@ -1,7 +1,8 @@
 """What each way of seeing every collective costs, and how long each holds the GIL.
 
-    .venv/bin/python tests/benchmarks/flight_recorder.py           # 2000-entry ring, 20 repeats
-    .venv/bin/python tests/benchmarks/flight_recorder.py --quick   # smoke only
+    .venv/bin/python tests/benchmarks/flight_recorder.py                # a full 2000-entry ring, 20 repeats
+    .venv/bin/python tests/benchmarks/flight_recorder.py --ring 20000   # torchtitan's ring, full
+    .venv/bin/python tests/benchmarks/flight_recorder.py --quick        # smoke only
 
 One process, a 1-rank gloo group on 127.0.0.1 (the flight recorder records a
 1-rank group's collectives as any other's). Measured:
@@ -91,13 +92,13 @@ def record_cost_worker(n: int) -> None:
     dist.destroy_process_group()
 
 
-def record_cost(blocks: int, n: int) -> dict[str, list[float]]:
+def record_cost(blocks: int, n: int, ring: int) -> dict[str, list[float]]:
     sys.path.insert(0, str(REPO))
     from tests.helpers.jobs import free_port
 
-    out: dict[str, list[float]] = {"0": [], "2000": []}
+    out: dict[str, list[float]] = {"0": [], str(ring): []}
     for _ in range(blocks):
-        for size in ("0", "2000"):
+        for size in out:
             env = {**os.environ, "TORCH_FR_BUFFER_SIZE": size, "BENCH_PORT": str(free_port())}
             proc = subprocess.run([sys.executable, __file__, "--record-worker", str(n)], env=env, capture_output=True,
                                   text=True, timeout=300, check=True)
@@ -107,7 +108,9 @@ def record_cost(blocks: int, n: int) -> dict[str, list[float]]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--entries", type=int, default=2000, help="collectives recorded before reading (ring: 2000)")
+    p.add_argument("--ring", type=int, default=2000,
+                   help="TORCH_FR_BUFFER_SIZE: entries the recorder keeps (torch's default 2000, torchtitan's 20000)")
+    p.add_argument("--entries", type=int, default=None, help="collectives recorded before reading (default: --ring)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--blocks", type=int, default=6, help="interleaved process blocks for the recording cost")
     p.add_argument("--quick", action="store_true")
@@ -118,6 +121,9 @@ def main(argv=None) -> int:
         return 0
     if args.quick:
         args.entries, args.repeats, args.blocks = 300, 3, 1
+    if args.entries is None:
+        args.entries = args.ring
+    os.environ["TORCH_FR_BUFFER_SIZE"] = str(args.ring)   # before torch starts its recorder
 
     import torch
     import torch.distributed as dist
@@ -127,7 +133,7 @@ def main(argv=None) -> int:
     from rankscope.collectives.process_groups import FlightRecorderSource, ProcessGroupReader
     from tests.helpers.jobs import free_port
 
-    recording = record_cost(args.blocks, 2000 if not args.quick else 300)
+    recording = record_cost(args.blocks, 2000 if not args.quick else 300, args.ring)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     t = torch.zeros(16)
     for _ in range(args.entries):
@@ -153,13 +159,16 @@ def main(argv=None) -> int:
 
     def reader_poll():
         reader = ProcessGroupReader(Sink(), lambda *a, **k: None, lambda: None, source, 16, 60.0,
-                                    entries_every_s=0.0)
+                                    entries_every_s=0.0, ring=args.ring)
+        c0 = time.thread_time()
         reader.poll()
+        reader_poll.cpu.append(time.thread_time() - c0)
         reader_poll.slices.append(reader.longest_slice_s)
         reader_poll.cpu_slices.append(reader.longest_slice_cpu_s)
         reader_poll.entries = reader.entries_read
     reader_poll.slices = []
     reader_poll.cpu_slices = []
+    reader_poll.cpu = []
     reader_poll.entries = 0
 
     reads = {
@@ -177,7 +186,7 @@ def main(argv=None) -> int:
         p0, t0 = time.process_time(), time.thread_time()
         source.entries_json()
         server_cpu.append((time.process_time() - p0) - (time.thread_time() - t0))
-    rows, figures = [], {"entries": args.entries, "reads": {}}
+    rows, figures = [], {"ring": args.ring, "entries": args.entries, "reads": {}}
     with GapMeter() as meter:
         time.sleep(0.3)
         meter.gaps.clear()
@@ -189,25 +198,35 @@ def main(argv=None) -> int:
             figures["reads"][name] = {"median_ms": 1000 * median_s, "longest_gil_gap_ms": 1000 * gap_s}
     source.close()
     dist.destroy_process_group()
-    rec0, rec1 = statistics.median(recording["0"]), statistics.median(recording["2000"])
-    print(f"flight recorder reads: {args.entries} entries in the ring, {args.repeats} repeats; "
+    rec0, rec1 = statistics.median(recording["0"]), statistics.median(recording[str(args.ring)])
+    # The reader fetches the ring once half of it is new: per collective, its CPU (the server's
+    # fetch on its C++ thread and the reader's own decode) is the cost of one read over ring/2.
+    per_read_ms = 1000 * (statistics.median(server_cpu) + statistics.median(reader_poll.cpu))
+    per_1000_ms = per_read_ms / max(args.ring / 2, 1) * 1000
+    print(f"flight recorder reads: ring {args.ring}, {args.entries} entries in it, {args.repeats} repeats; "
           f"gap meter baseline (nothing else running) {1000 * baseline:.2f} ms")
     print(table(["read", "median ms", "longest GIL gap of another thread, ms"], rows))
     print()
     print(table(["recording cost", "value"], [
-        ["small gloo all_reduce, TORCH_FR_BUFFER_SIZE=0 / 2000 (us, median of blocks)", f"{rec0:.1f} / {rec1:.1f}"],
+        [f"small gloo all_reduce, TORCH_FR_BUFFER_SIZE=0 / {args.ring} (us, median of blocks)",
+         f"{rec0:.1f} / {rec1:.1f}"],
         ["recording, per collective (us)", f"{rec1 - rec0:+.1f}"],
         ["rankscope reader: longest decode slice between GIL yields, wall / own CPU (ms)",
          f"{1000 * max(reader_poll.slices):.3f} / {1000 * max(reader_poll.cpu_slices):.3f} "
          f"({reader_poll.entries} entries)"],
         ["C++ worker server: CPU per full-ring fetch on its own thread (ms, median)",
          f"{1000 * statistics.median(server_cpu):.1f}"],
+        ["rankscope reader: CPU per read, its own thread (ms, median)", f"{1000 * statistics.median(reader_poll.cpu):.1f}"],
+        ["CPU per 1000 collectives, reading once half the ring is new (ms; x collectives/s / 1000 = share of a core)",
+         f"{per_1000_ms:.1f}"],
         ["_register_on_completion_hook on gloo", hook],
     ]))
     figures.update(gap_baseline_ms=1000 * baseline, record_us={"off": rec0, "on": rec1},
                    reader_longest_slice_ms=1000 * max(reader_poll.slices),
                    reader_longest_slice_cpu_ms=1000 * max(reader_poll.cpu_slices), completion_hook_gloo=hook,
                    server_cpu_ms_per_fetch=1000 * statistics.median(server_cpu),
+                   reader_cpu_ms_per_read=1000 * statistics.median(reader_poll.cpu),
+                   cpu_ms_per_1000_collectives=per_1000_ms,
                    machine=machine())
     emit_json({"benchmark": "flight_recorder", **figures})
     return 0

@@ -117,5 +117,21 @@ def test_each_step_publishes_its_own_compute(clean_env, tmp_path):
                     time.sleep(work)
         got = published(m)[("rankscope_step_last_compute_seconds",)]
         assert 0.06 <= got < 0.075
+
+        # Where DDP's wait in backward is only sampled (its own timers, the CPU default), backward
+        # holds this step's wait less an estimate from another step: it is left out.
+        from rankscope.collectives.comm_timing import CommTiming
+
+        class Sampled(CommTiming):
+            waits_known_each_step = False
+
+        m.steps.comm = Sampled()
+        with m.step() as step:
+            with step.phase("forward"):
+                time.sleep(0.01)
+            with step.phase("backward"):
+                time.sleep(0.03)
+        got = published(m)[("rankscope_step_last_compute_seconds",)]
+        assert 0.01 <= got < 0.02
     finally:
         m.close()

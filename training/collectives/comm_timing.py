@@ -59,6 +59,9 @@ class CommTiming:
     """The ``off`` strategy, and the interface of the others."""
 
     mode = "off"
+    # Each step's own wait in backward is known (0 without DDP, measured by the hook): its
+    # backward, less that wait, is the rank's own work. DDP's timers sample one step in ten.
+    waits_known_each_step = True
 
     def __init__(self) -> None:
         self.model: Any = None
@@ -137,6 +140,7 @@ class ReducerTiming(CommTiming):
     counted in flight then (DDP clears ``require_backward_grad_sync``)."""
 
     mode = "reducer"
+    waits_known_each_step = False
 
     def __init__(self, tracker: CollectiveTracker, on_error: Callable[[], None]):
         super().__init__()

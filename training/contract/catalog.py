@@ -176,8 +176,9 @@ RANK_METRICS: tuple[MetricSpec, ...] = (
     _h("rankscope_step_duration_seconds", "Wall-clock duration of training steps.", STEP_BUCKETS),
     _g("rankscope_step_last_duration_seconds", "Wall-clock duration of the last completed step."),
     _g("rankscope_step_last_compute_seconds",
-       "Compute seconds (forward, backward, optimizer; exposed communication wait excluded) of the last "
-       "completed step: its spread across the ranks of a stage, scrape by scrape, is the load imbalance."),
+       "Compute seconds of the last completed step: forward, backward and optimizer, its measured communication "
+       "wait excluded (backward left out where DDP's wait is only sampled, the CPU default); its spread across "
+       "the ranks of a stage, scrape by scrape, is the load imbalance."),
     _g("rankscope_last_step_timestamp_seconds", "Unix time at which the last step completed."),
     _c("rankscope_phase_seconds_total",
        "Seconds spent per step phase; exposed communication wait is 'comm_wait', untracked time 'other'.",

@@ -35,15 +35,19 @@ ABSORB_SLICE_S = 0.0003      # the publisher works through ended steps in slices
 GIL_YIELD_S = 0.0001         # ...sleeping this long between them (the GIL is free meanwhile)
 
 
-def compute_seconds(phases: dict[str, float]) -> float:
+def compute_seconds(phases: dict[str, float], with_backward: bool = True) -> float:
     """A step's own work, in the phases the straggler rules compare between ranks; its spread
     across the ranks of a stage, step by step, is the load imbalance
-    (rankscope_step_last_compute_seconds)."""
-    return sum(phases.get(name, 0.0) for name in STRAGGLER_PHASES)
+    (rankscope_step_last_compute_seconds). Backward is left out where it holds the step's wait
+    for its peers, which is then known only as an estimate (DDP's timers sample one step in ten):
+    that wait, not the work, would vary from step to step."""
+    return sum(phases.get(name, 0.0) for name in STRAGGLER_PHASES if with_backward or name != "backward")
 
 
 class UnderWay(Protocol):
     """What the loop is doing now (``rankscope.step.timer.StepTimer``), read by the publisher."""
+
+    comm: Any   # how DDP's wait in backward is known (rankscope.collectives.comm_timing)
 
     def busy_since(self) -> float: ...
 
@@ -161,7 +165,7 @@ class StepAccounting:
         for k, v in phases.items():
             acc.phase[k] += v
         if not e.on_device:   # a CUDA step's phases come later (device_phases_ready)
-            acc.last_compute = compute_seconds(phases)
+            acc.last_compute = compute_seconds(phases, self._loop.comm.waits_known_each_step)
         acc.samples += e.samples
         acc.tokens += e.tokens
         acc.last_step = e.number
@@ -234,4 +238,4 @@ class StepAccounting:
     def device_phases_ready(self, phases: dict[str, float]) -> None:
         for k, v in phases.items():
             self._acc.phase[k] += v
-        self._acc.last_compute = compute_seconds(phases)
+        self._acc.last_compute = compute_seconds(phases, self._loop.comm.waits_known_each_step)
