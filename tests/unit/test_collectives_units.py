@@ -369,3 +369,19 @@ def test_a_flight_recorder_turned_off_is_named_once_with_the_flag_that_did_it(mo
     assert len(warnings) == 1
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE=0" in warnings[0] and "--comm.trace_buf_size" in warnings[0]
     assert "2000" in warnings[0]
+
+
+def test_a_costly_ring_is_read_further_apart_unless_half_of_it_is_new():
+    """A full 20,000-entry ring takes ~0.7 s to serialise and decode: read every 10 s regardless,
+    it would cost a job with few collectives 7% of a core. Unforced reads wait 100x the last
+    read's time; half a ring of new collectives is always read (the ring would overwrite them)."""
+    from rankscope.collectives.process_groups import Cursor
+
+    reader = ProcessGroupReader(Sink(), lambda *a, **k: None, lambda: None, Source(cpu=FakeRecorder()), 8, 60.0,
+                                initialized=lambda: True, ring=20000)
+    cheap, costly = Cursor("cpu", read_s=0.05), Cursor("cpu", read_s=0.7)
+    assert reader._read_due(cheap, now=10.5, new_collectives=10)          # 10 s: the usual at-most
+    assert not reader._read_due(costly, now=10.5, new_collectives=10)     # 0.7 s a read: 70 s apart
+    assert not reader._read_due(costly, now=69.0, new_collectives=10)
+    assert reader._read_due(costly, now=70.5, new_collectives=10)
+    assert reader._read_due(costly, now=5.0, new_collectives=10_000)      # half the ring new: now

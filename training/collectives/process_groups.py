@@ -74,7 +74,8 @@ log = logging.getLogger("rankscope")
 
 GIL_SLICE_S = 0.00025        # decode entries for at most this long before giving the GIL back
 ENTRIES_EVERY_S = 1.0        # read new flight-recorder entries at least this far apart (and on a possible hang)
-ENTRIES_AT_MOST_EVERY_S = 10.0   # ... and at most this far apart
+ENTRIES_AT_MOST_EVERY_S = 10.0   # ... and at most this far apart, unless a read costs more than
+READ_BUDGET = 100                # 1/READ_BUDGET of that time (a large ring: reads further apart)
 RING_SHARE = 0.5             # aim to read when about this share of the ring is new
 MAX_IN_FLIGHT = 1024         # in-flight collectives remembered per group
 MAX_LABEL = 32               # characters of a group label taken from a description
@@ -282,6 +283,7 @@ class Cursor:
     pending_duration: dict = field(default_factory=dict)   # record_id -> (group label, op) read before done
     last_entries: float = 0.0                           # monotonic time of the last entries read
     enqueued_at_read: int = 0                           # collectives the status counted at that read
+    read_s: float = 0.0                                 # wall seconds the last entries read took
     suspect: dict = field(default_factory=dict)         # pg_id -> seq seen in flight at the last status read
     status: dict = field(default_factory=dict)          # pg_id -> the last status read
 
@@ -377,6 +379,7 @@ class ProcessGroupReader:
                 self._read_entries(cursor)
             except Exception:
                 self._error()
+            cursor.read_s = time.monotonic() - now
         return bool(status)
 
     def _read_due(self, cursor: Cursor, now: float, new_collectives: int, unknown_group: bool = False) -> bool:
@@ -388,7 +391,12 @@ class ProcessGroupReader:
         since = now - cursor.last_entries
         if since < self._entries_every_s:
             return False
-        return (since >= ENTRIES_AT_MOST_EVERY_S or self._ring <= 0 or unknown_group
+        # Unforced, a read waits long enough to cost at most 1/READ_BUDGET of the time between reads:
+        # a full 20,000-entry ring (torchtitan's) takes ~0.7 s to serialise and decode, and read
+        # every 10 s it would cost a slow job 7% of a core. Half a ring new is always read (the
+        # ring would overwrite entries not yet counted).
+        stale_after = max(ENTRIES_AT_MOST_EVERY_S, READ_BUDGET * cursor.read_s)
+        return (since >= stale_after or self._ring <= 0 or unknown_group
                 or new_collectives >= RING_SHARE * self._ring)
 
     def _enable_timing(self) -> None:
