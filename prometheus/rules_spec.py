@@ -148,8 +148,8 @@ HANG_SUSPECT = (
     "  or on (run, rank) (\n"
     "    max by (run, rank) (rankscope_collective_in_flight_seconds{SEL}) == 0\n"
     "    and on (run) (max by (run) (rankscope_collective_in_flight_seconds{SEL}) > <<hang_peer_wait_seconds>>)\n"
-    "    and on (run, rank) (\n      " + _indent(stalled_past("<<hang_peer_wait_seconds>>", "<<hang_after_steps>>"), "      ")
-    + "\n    )\n"
+    "    and on (run, rank) (\n      "
+    + _indent(stalled_past("<<hang_peer_wait_seconds>>", "<<hang_after_steps>>"), "      ") + "\n    )\n"
     "  )\n"
     ")\n"
     "unless on (run, rank) (rankscope_rank_state{SEL,state=\"frozen\"} == 1)")
@@ -484,7 +484,9 @@ RECORDING_RULES: tuple[Record, ...] = (
     # slowest stage): a stage's ratio. Only for jobs with stages.
     Record("stage:rankscope_phase_seconds:compute_per_step",
            STAGE_PEER_MEDIAN + "{stage!=\"\"}\n"
-           "or on (run, stage) quantile by (run, stage) (0.5, rank:rankscope_phase_seconds:compute_per_step{stage!=\"\"} >= 0)"),
+           "or on (run, stage) quantile by (run, stage) (0.5,\n"
+           "  rank:rankscope_phase_seconds:compute_per_step{stage!=\"\"} >= 0\n"
+           ")"),
     Record("stage:rankscope_phase_seconds:compute_per_step_ratio",
            "stage:rankscope_phase_seconds:compute_per_step\n"
            "/ on (run) group_left () quantile by (run) (0.5,\n"
@@ -829,7 +831,8 @@ ALERTS: tuple[Alert, ...] = (
           "on node {{ $labels.node }}{{ if $labels.stage }} (pipeline stage {{ $labels.stage }}){{ end }}, "
           "compute takes {{ printf `%.2g` $value }}x the median of its peers{{ if $labels.stage }} in its stage"
           "{{ end }} per step ("
-          "{{ with printf `max(rank:rankscope_phase_seconds:compute_per_step{run=\"%s\",rank=~\"%s\",tp_group=\"%s\"})` "
+          "{{ with printf `max(rank:rankscope_phase_seconds:compute_per_step"
+          "{run=\"%s\",rank=~\"%s\",tp_group=\"%s\"})` "
           "$labels.run (or $labels.rank \".+\") $labels.tp_group | query }}{{ . | first | value | humanizeDuration }}"
           "{{ end }} against "
           "{{ with printf `" + STAGE_PEER_MEDIAN + "{run=\"%s\",stage=\"%s\"}` $labels.run $labels.stage | query }}"

@@ -87,9 +87,9 @@ class Layout:
         """This layout with ``other``'s coordinates added where this one has none on that dimension
         (a stated layout wins over one learnt; a pipeline stage adds its ``pp``)."""
         have = {name for name, _ in self.coordinates}
-        same_role = {name for name, _ in self.coordinates if name in PIPELINE_DIMS}
+        roles = [dims for dims in (PIPELINE_DIMS, TENSOR_PARALLEL_DIMS) if have & set(dims)]   # already stated
         extra = tuple((n, v) for n, v in other.coordinates
-                      if n not in have and not (n in PIPELINE_DIMS and same_role))
+                      if n not in have and not any(n in dims for dims in roles))
         return Layout(self.coordinates + extra) if extra else self
 
     @property

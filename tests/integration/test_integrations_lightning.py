@@ -49,7 +49,8 @@ class Run:
 def _main_job(tmp) -> Run:
     rules = render_rules(tmp / "rules", fast=True)
     job = UserJob("lightning_trainer.py", "--steps", STEPS, "--checkpoint-every", CHECKPOINT_EVERY,
-                  "--val-every", CHECKPOINT_EVERY, "--nan-rank", FAULT_RANK, "--nan-step", NAN_STEP, tmp_path=tmp, name="lightning")
+                  "--val-every", CHECKPOINT_EVERY, "--nan-rank", FAULT_RANK, "--nan-step", NAN_STEP, tmp_path=tmp,
+                  name="lightning")
     with PagedJob(job, rules) as paged:
         job.wait(timeout=240)
         final = paged.final_values()

@@ -28,7 +28,8 @@ def test_stage_and_tensor_parallel_group_from_coordinates():
     layout = Layout.parse("pp=1, dp_shard=3, tp=2")
     assert layout.labels() == {"stage": "1", "tp_group": "pp=1,dp_shard=3", "mesh": "pp=1,dp_shard=3,tp=2"}
     # The ranks of one tensor-parallel group share its name; another group's differs.
-    assert Layout.parse("pp=1,dp_shard=3,tp=0").tp_group == layout.tp_group != Layout.parse("pp=1,dp_shard=2,tp=2").tp_group
+    assert Layout.parse("pp=1,dp_shard=3,tp=0").tp_group == layout.tp_group
+    assert Layout.parse("pp=1,dp_shard=2,tp=2").tp_group != layout.tp_group
     assert Layout.parse("dp=4").labels() == {"stage": "", "tp_group": "", "mesh": "dp=4"}
     assert Layout.parse("tp=1").tp_group == "all"
     assert Layout.parse(None) == Layout.parse("") == Layout()
@@ -54,6 +55,7 @@ def test_a_stated_layout_wins_and_a_learnt_one_adds_what_it_leaves_out():
     stated = Layout.parse("pp=1")
     assert stated.merged(Layout.parse("pp=0,dp=1,tp=0")).mesh == "pp=1,dp=1,tp=0"
     assert stated.merged(Layout.parse("pipeline=0,tp=1")).mesh == "pp=1,tp=1"   # one pipeline dimension
+    assert Layout.parse("tp=0").merged(Layout.parse("tensor=1,dp=2")).mesh == "tp=0,dp=2"   # one tensor dimension
     assert stated.merged(stated) is stated
 
 

@@ -413,10 +413,11 @@ class ProcessGroupReader:
     def _warn_if_recorder_off(self) -> None:
         if self._ring == 0 and not self._warned_off:
             self._warned_off = True
-            flag = next((f"{name}={os.environ[name]}" for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+            flag = next((f"{name}={os.environ[name]}" for name in ("TORCH_FR_BUFFER_SIZE",
+                                                                   "TORCH_NCCL_TRACE_BUFFER_SIZE")
                          if os.environ.get(name)), "TORCH_FR_BUFFER_SIZE=0")
-            log.warning("rankscope: torch's flight recorder is off (%s; torchtitan sets it from --comm.trace_buf_size): "
-                        "the collectives of FSDP, tensor-parallel, pipeline and every process group other than DDP's "
+            log.warning("rankscope: torch's flight recorder is off (%s; torchtitan sets it from "
+                        "--comm.trace_buf_size): the collectives of FSDP, tensor-parallel, pipeline and every process group other than DDP's "
                         "and monitor.collective()'s are not counted, and a hang in them is not located. Set it to "
                         "2000 or more (torch's default 2000, torchtitan's 20000) to see them", flag)
 

@@ -58,8 +58,8 @@ class Accumulator:
     """What the steps worked out since the last publish add up to."""
 
     __slots__ = ("steps", "durations", "phase", "samples", "tokens", "last_step", "last_duration",
-                 "last_end", "last_compute", "losses", "grad_norms", "lr", "ooms", "nonfinite_loss", "nonfinite_grad",
-                 "loss_spikes", "grad_spikes", "loss_ema", "loss_z", "data_waits", "wall")
+                 "last_end", "last_compute", "losses", "grad_norms", "lr", "ooms", "nonfinite_loss",
+                 "nonfinite_grad", "loss_spikes", "grad_spikes", "loss_ema", "loss_z", "data_waits", "wall")
 
     def __init__(self) -> None:
         self.steps = 0
