@@ -113,23 +113,54 @@ class Layout:
         return {"stage": self.stage, "tp_group": self.tp_group, "mesh": self.mesh}
 
 
-def from_mesh(mesh: Any) -> Layout | None:
-    """The rank's coordinates on the root of ``mesh`` (the whole job's mesh, of which a model's
-    parameters often hold a sub-mesh); None without dimension names or outside the mesh."""
-    root = mesh
+def _root(mesh: Any) -> Any:
+    """The whole job's mesh, of which ``mesh`` may be a sub-mesh (a model's parameters often hold one)."""
     try:   # torch >= 2.8 keeps the root on the mesh; before, in the mesh registry
         get_root = getattr(mesh, "_get_root_mesh", None)
         if get_root is None:
             from torch.distributed.device_mesh import _mesh_resources
 
             get_root = functools.partial(_mesh_resources.get_root_mesh, mesh)
-        root = get_root() or mesh
+        return get_root() or mesh
     except Exception:   # a mesh it does not know
-        root = mesh
+        return mesh
+
+
+def from_mesh(mesh: Any) -> Layout | None:
+    """The rank's coordinates on the root of ``mesh``; None without dimension names or outside the mesh."""
+    root = _root(mesh)
     names, coordinate = getattr(root, "mesh_dim_names", None), root.get_coordinate()
     if not names or coordinate is None:
         return None
     return Layout(tuple(zip((str(n) for n in names), (int(c) for c in coordinate))))
+
+
+def group_roles(obj: Any) -> dict[str, str]:
+    """The process groups of the device mesh ``watch(obj)`` learns, by name, each with its mesh
+    dimension's name (``{"0": "dp_shard"}``): a dimension spanning the whole world reuses the
+    default group, which would otherwise read ``group="default"``. Empty without a named mesh."""
+    mesh = _mesh_of(getattr(obj, "submod", obj))
+    if mesh is None:
+        return {}
+    try:
+        root = _root(mesh)
+        names = root.mesh_dim_names or ()
+        return {str(root.get_group(i).group_name): str(name) for i, name in enumerate(names)}
+    except Exception:   # a mesh without groups (a fake process group), or an older torch
+        return {}
+
+
+def _mesh_of(obj: Any) -> Any:
+    """The device mesh of a model's first parameter, if it is a DTensor."""
+    parameters = getattr(obj, "parameters", None)
+    if parameters is None:
+        return None
+    try:
+        for p in parameters():
+            return getattr(p, "device_mesh", None)
+    except Exception:
+        return None
+    return None
 
 
 def learn(obj: Any) -> Layout | None:
@@ -140,15 +171,8 @@ def learn(obj: Any) -> Layout | None:
         submod = getattr(obj, "submod", None)
         inner = learn(submod) if submod is not None else None
         return inner.merged(layout) if inner is not None else layout
-    parameters = getattr(obj, "parameters", None)
-    if parameters is None:
-        return None
+    mesh = _mesh_of(obj)
     try:
-        for p in parameters():
-            mesh = getattr(p, "device_mesh", None)
-            if mesh is not None:
-                return from_mesh(mesh)
-            return None   # plain tensors: not sharded over a mesh
+        return from_mesh(mesh) if mesh is not None else None
     except Exception:
         return None
-    return None

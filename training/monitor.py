@@ -177,6 +177,8 @@ class Monitor:
         learnt = layout.learn(model)
         if learnt is not None:
             self._learn_layout(learnt)
+            if self.process_groups is not None:   # groups named by their mesh dimension, from now on
+                self.process_groups.roles = {**self.process_groups.roles, **layout.group_roles(model)}
         if not hasattr(model, "parameters"):
             if learnt is not None and hasattr(model, "submod"):   # a pipeline stage
                 self.device.bind(first_cuda_device(model.submod))

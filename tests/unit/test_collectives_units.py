@@ -385,3 +385,18 @@ def test_a_costly_ring_is_read_further_apart_unless_half_of_it_is_new():
     assert not reader._read_due(costly, now=69.0, new_collectives=10)
     assert reader._read_due(costly, now=70.5, new_collectives=10)
     assert reader._read_due(costly, now=5.0, new_collectives=10_000)      # half the ring new: now
+
+
+def test_a_group_the_monitor_knows_from_the_mesh_is_named_by_its_dimension():
+    """torchtitan's FSDP over the whole world runs on the default group: it reads dp_shard, the
+    mesh dimension's name (rankscope.layout.group_roles), not "default"."""
+    rec = FakeRecorder()
+    sink = Sink()
+    reader = ProcessGroupReader(sink, lambda *a, **k: None, lambda: None, Source(cpu=rec), 8, 60.0,
+                                entries_every_s=0.0, initialized=lambda: True)
+    reader.roles = {"0": "dp_shard"}
+    rec.collective(pg_id=0, name="0", desc="default_pg", op="gloo:all_gather")
+    rec.collective(pg_id=1, name="1", desc="mesh_tp", op="gloo:all_reduce")
+    reader.poll()
+    assert sink.children[("count", "dp_shard", "0", "all_gather")].value == 1
+    assert sink.children[("count", "tp", "1", "all_reduce")].value == 1

@@ -9,7 +9,7 @@ import torch
 
 from rankscope import ConfigError, Monitor
 from rankscope.config import MonitorConfig
-from rankscope.layout import Layout, learn
+from rankscope.layout import Layout, group_roles, learn
 from tests.unit.test_monitor_api import LAUNCH_VARS, published
 
 
@@ -95,6 +95,14 @@ def test_watch_learns_the_mesh_of_a_sharded_model_and_the_stage_of_a_pipeline_st
         stage = PipelineStage(torch.nn.Linear(4, 4), stage_index=0, num_stages=1, device=torch.device("cpu"))
         assert m.watch(stage) is stage
         assert layout_series(m)[("dp=0,tp=0,pp=0", "0", "dp=0,pp=0")] == 1.0
+        # FSDP over the whole world reuses the default group: it is named by its mesh dimension.
+        whole = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+        sharded = torch.nn.Linear(4, 4)
+        sharded.weight = torch.nn.Parameter(distribute_tensor(sharded.weight.detach(), whole, [Replicate()]))
+        assert group_roles(sharded) == {dist.group.WORLD.group_name: "dp_shard"}
+        assert group_roles(torch.nn.Linear(2, 2)) == {}
+        m.watch(sharded)
+        assert m.process_groups.roles[dist.group.WORLD.group_name] == "dp_shard"
         with pytest.raises(ConfigError, match="PipelineStage"):
             m.watch(object())
     finally:

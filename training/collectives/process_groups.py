@@ -42,7 +42,8 @@ Why two reads, and what each costs (measured, docs/collectives.md):
 
 Group labels: ``group`` is the role, ``default`` for the default group, the
 device-mesh dimension name for a mesh's groups (DeviceMesh names them
-``mesh_<dim>``), the group's own description where the user gave one, else
+``mesh_<dim>``; one over the whole world reuses the default group, and is named by
+its dimension once ``watch()`` saw the mesh: ``roles``), the group's own description where the user gave one, else
 ``pg<name>``; ``group_id`` is the group's name, which torch makes the same on
 every member rank. A group with both a CUDA and a CPU backend
 (``"cuda:nccl,cpu:gloo"``) numbers its collectives per backend: its CPU
@@ -312,6 +313,9 @@ class ProcessGroupReader:
         self._timed_groups: set[str] = set()
         self.cursors = {name: Cursor(name) for name in source.recorders}
         self.groups: dict[tuple[str, str], Group] = {}   # (recorder, pg_id) -> Group
+        # Group name -> its device-mesh dimension, where the monitor learnt the job's mesh
+        # (rankscope.layout.group_roles): a dimension over the whole world reuses the default group.
+        self.roles: dict[str, str] = {}
         self._refused: set[tuple[str, str]] = set()      # groups over the budget
         self._ring = ring                        # entries the recorders keep (flight_recorder.ring_size)
         self._warned_off = False
@@ -558,7 +562,8 @@ class ProcessGroupReader:
         group_id = str(name)
         if cursor.recorder == "cpu" and "nccl" in self.cursors and _has_cuda_backend(group_id):
             group_id += ".cpu"   # the CPU half of a "cuda:nccl,cpu:gloo" group: its own sequence
-        group = Group(pg_id, group_id, group_label(str(name), str(desc)))
+        label = self.roles.get(str(name)) or group_label(str(name), str(desc))
+        group = Group(pg_id, group_id, re.sub(r"[^a-z0-9_]", "_", label.lower())[:MAX_LABEL])
         group.seq_children = self._m.process_group_seq(group.label, group.name)
         status = cursor.status.get(pg_id, {})
         group.enqueued = int(status.get("last_enqueued_collective", -1))
