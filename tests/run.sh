@@ -4,7 +4,7 @@
 #
 #   bash tests/run.sh [PYTEST ARGS]          # every tier but the fault matrix (what .ci/run runs)
 #   bash tests/run.sh --fast [PYTEST ARGS]   # the fast tier, tests/unit (pytest -m "not integration" is the same)
-#   bash tests/run.sh --matrix [PYTEST ARGS] # the fault matrix only (tests/drills; ~10 min; not in the full run)
+#   bash tests/run.sh --matrix [PYTEST ARGS] # the fault matrix only (tests/drills; ~16 min; not in the full run)
 #
 # Both tiers need promtool and amtool (the fast tier's static rule and routing
 # checks), so both install the Debian packages. Other arguments go to pytest.
