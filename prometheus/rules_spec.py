@@ -241,7 +241,8 @@ STAGE_IMBALANCE = "(\n  " + _indent(hysteresis(
 
 # Uneven work per step with no persistent culprit: the slowest rank of a stage, scrape by scrape,
 # computes well above its stage's median while no rank's mean compute stands out (the slowest
-# changes from step to step: sequence lengths, MoE routing). Judged on the median over the
+# changes from step to step: sequence lengths, MoE routing; and the stage's ranks are measured: a
+# rank whose compute per step is not measured yet may be the culprit). Judged on the median over the
 # window, so that it holds in most steps: a few steps slowed by a burst of the node's or the
 # network's noise (a descheduled rank, a retransmit inside an estimated comm wait) do not count.
 # Not while a straggler is paged.
@@ -250,9 +251,9 @@ LOAD_IMBALANCE = "(\n  " + _indent(hysteresis(
     lambda bar: ("quantile_over_time(0.5, stage:rankscope_step_last_compute_seconds:max_over_median"
                  f"[<<load_imbalance_window>>]) > {bar}"),
     "<<load_imbalance_ratio>>", "<<load_imbalance_hold_ratio>>", on="run, stage")) + "\n)\n" \
-    "unless on (run, stage) (\n" \
+    "and on (run, stage) (\n" \
     "  max by (run, stage) (rank:rankscope_phase_seconds:compute_per_step_peer_ratio)" \
-    " > <<load_imbalance_max_rank_ratio>>\n)" \
+    " <= <<load_imbalance_max_rank_ratio>>\n)" \
     "\nunless on (run) rank:rankscope_steps:warming_up"
 
 INPUT_BOUND = "(\n  " + _indent(hysteresis(

@@ -54,6 +54,8 @@ SIMULATOR_HAS_NO = {
     ("rankscope-communication", "Collective duration p50 per process group"):
         "the simulator replays a gloo recording, which has no per-process-group durations",
     ("rankscope-memory-devices", "GPU throttling"): "no simulated GPU throttles (the panel shows reasons > 0)",
+    ("rankscope-ranks", "Compute time per step per stage"): "the simulated jobs are data-parallel: no pipeline stages",
+    ("rankscope-ranks", "Stages against each other"): "the simulated jobs are data-parallel: no pipeline stages",
 }
 # Queries (panel, refId) of panels that otherwise have data.
 SIMULATOR_HAS_NO_QUERY = {

@@ -148,6 +148,10 @@ def load_recorded(path: Path = RECORDED) -> tuple[list[tuple[str, dict, str]], l
         rank_samples.append(("rankscope_data_wait_seconds_count", dict(ident), "0"))
     if "rankscope_model_flops_total" not in recorded:
         rank_samples.append(("rankscope_model_flops_total", dict(ident), "0"))
+    if "rankscope_step_last_compute_seconds" not in recorded:
+        rank_samples.append(("rankscope_step_last_compute_seconds", dict(ident), "0"))
+    if "rankscope_rank_layout_info" not in recorded:   # a data-parallel job: no stages, no tensor parallelism
+        rank_samples.append(("rankscope_rank_layout_info", {**ident, "stage": "", "tp_group": "", "mesh": ""}, "1"))
     return rank_samples, node_samples
 
 
@@ -178,8 +182,8 @@ def _value_key(name: str, labels: dict[str, str]) -> str | None:
     simulated = {
         "rankscope_steps_total", "rankscope_step", "rankscope_samples_total", "rankscope_tokens_total",
         "rankscope_step_duration_seconds_sum", "rankscope_step_duration_seconds_count",
-        "rankscope_step_last_duration_seconds", "rankscope_last_step_timestamp_seconds",
-        "rankscope_collective_duration_seconds_sum", "rankscope_collective_duration_seconds_count",
+        "rankscope_step_last_duration_seconds", "rankscope_step_last_compute_seconds",
+        "rankscope_last_step_timestamp_seconds", "rankscope_collective_duration_seconds_sum", "rankscope_collective_duration_seconds_count",
         "rankscope_collective_last_duration_seconds", "rankscope_collective_bytes_total",
         "rankscope_loss", "rankscope_loss_ema", "rankscope_loss_zscore", "rankscope_grad_norm",
         "rankscope_heartbeat_timestamp_seconds", "rankscope_heartbeat_age_seconds",
@@ -282,6 +286,7 @@ class NodePage:
             "rankscope_step_duration_seconds_sum": steps * step_s,
             "rankscope_step_duration_seconds_count": steps,
             "rankscope_step_last_duration_seconds": step_s,
+            "rankscope_step_last_compute_seconds": sum(phase[p] for p in COMPUTE),
             "rankscope_last_step_timestamp_seconds": last_step_ts,
             "rankscope_collective_duration_seconds_sum": steps * ALL_REDUCES_PER_STEP * phase["comm_wait"] / 2,
             "rankscope_collective_duration_seconds_count": steps * ALL_REDUCES_PER_STEP,
