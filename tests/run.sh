@@ -42,4 +42,9 @@ if [ "${tier[*]}" = "-m not matrix" ] && { ! command -v tmux >/dev/null || ! com
     fi
 fi
 bash deploy/local/setup.sh dev
+# The full run's torchtitan adapter test: torchtitan in a venv of its own (~100 s to make; pyproject.toml).
+if [ "${tier[*]}" = "-m not matrix" ]; then
+    bash tests/scripts/torchtitan_venv.sh
+    export RANKSCOPE_REQUIRE_TORCHTITAN=1
+fi
 exec .venv/bin/python -m pytest -q "${tier[@]}" "$@"

@@ -142,12 +142,17 @@ def group_roles(obj: Any) -> dict[str, str]:
     mesh = _mesh_of(getattr(obj, "submod", obj))
     if mesh is None:
         return {}
-    try:
-        root = _root(mesh)
-        names = root.mesh_dim_names or ()
-        return {str(root.get_group(i).group_name): str(name) for i, name in enumerate(names)}
-    except Exception:   # a mesh without groups (a fake process group), or an older torch
-        return {}
+    roles: dict[str, str] = {}
+    # The root's dimensions, then the parameters' own mesh's: a framework that builds one "world"
+    # mesh and unflattens it (torchtitan) shards the model on a dimension ("fsdp") that reuses a
+    # group of the root; that group's role for this model is the dimension it is sharded on.
+    for source in (_root(mesh), mesh):
+        try:
+            names = source.mesh_dim_names or ()
+            roles.update({str(source.get_group(i).group_name): str(name) for i, name in enumerate(names)})
+        except Exception:   # a mesh without groups (a fake process group), or an older torch
+            continue
+    return roles
 
 
 def _mesh_of(obj: Any) -> Any:

@@ -60,7 +60,9 @@ class UserJob:
 
     def __init__(self, script: str | Path, *args: str, tmp_path: Path, nproc: int | None = None,
                  env: dict[str, str] | None = None, cwd: Path | None = None, run_id: str | None = None,
-                 port: int | None = None, metrics_dir: Path | None = None, name: str = "job"):
+                 port: int | None = None, metrics_dir: Path | None = None, name: str = "job",
+                 python: Path | None = None):
+        self.python = Path(python or sys.executable)   # another virtual environment's, for a framework of its own
         self.script = Path(script) if Path(script).is_absolute() else LOOPS / script
         self.args = [str(a) for a in args]
         self.nproc = nproc
@@ -80,10 +82,10 @@ class UserJob:
     @property
     def command(self) -> list[str]:
         if self.nproc is None:
-            return [sys.executable, str(self.script), *self.args]
+            return [str(self.python), str(self.script), *self.args]
         # torchrun's own entry point, as a user types it (``python -m`` would put the cwd on the agent's path)
-        torchrun = Path(sys.executable).parent / "torchrun"
-        launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+        torchrun = self.python.parent / "torchrun"
+        launcher = [str(torchrun)] if torchrun.exists() else [str(self.python), "-m", "torch.distributed.run"]
         return [*launcher, "--standalone", "--nproc-per-node", str(self.nproc), str(self.script), *self.args]
 
     def environment(self) -> dict[str, str]:
