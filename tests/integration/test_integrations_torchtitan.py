@@ -193,10 +193,16 @@ def test_phases_are_torchtitans_own_spans(run):
 
 
 def test_checkpoints_and_validation_are_their_own(run):
+    """The saves (steps 5 and 10, and the last step's) and the validations are goodput's
+    checkpoint_save and evaluation, each within 5% of torchtitan's own checkpoint_save and
+    eval spans (the save span also covers the steps that wrote nothing: microseconds)."""
     for rank in RANKS:
-        # steps 5 and 10, and the last step's
-        assert value(run, "rankscope_wall_seconds_total", rank, "checkpoint_save") > 0
-        assert value(run, "rankscope_wall_seconds_total", rank, "evaluation") > 0
+        spans = run.spans[rank]
+        saving = value(run, "rankscope_wall_seconds_total", rank, "checkpoint_save") * 1000
+        evaluating = value(run, "rankscope_wall_seconds_total", rank, "evaluation") * 1000
+        assert saving == pytest.approx(spans["checkpoint_save"], rel=0.05), (saving, spans)
+        assert evaluating == pytest.approx(spans["eval"], rel=0.05), (evaluating, spans)
+        assert saving > 0 and evaluating > 0
 
 
 def test_collective_counts_equal_the_flight_recorders(run):

@@ -114,7 +114,11 @@ def _layout(dims: Any) -> dict[str, int]:
 
 
 class TrainerSteps:
-    """One Trainer's open step and phase, moved along by the Trainer's own calls (training thread)."""
+    """One Trainer's open step and phase, moved along by the Trainer's own calls (training thread).
+
+    Each wrapped call runs torchtitan's method as it is; rankscope's work before and after it is
+    guarded: an error there is counted (``rankscope_telemetry_errors_total{component="step"}``)
+    and never raised into training."""
 
     def __init__(self, trainer: Any, monitor: Any, own_monitor: bool):
         self.trainer = trainer
@@ -122,91 +126,133 @@ class TrainerSteps:
         self.own_monitor = own_monitor
         self.step: Any = None           # rankscope.step.timer.Step while train_step runs
         self.phase: Any = None          # the running Phase, or None
+        self.lr: Any = None             # the learning rate the open step uses
         self.loss: Any = None           # the step's accumulated loss as torchtitan returns it (a tensor)
         self.global_tokens: Any = None  # the data-parallel batch's valid tokens (torchtitan's tensor)
         self.local_tokens = 0           # this rank's valid tokens in the step
         self.grad_norm: Any = None
+        self.started = 0.0              # perf_counter at the start of a save, load or validation
         self.thread = threading.get_ident()
         # torchtitan's OptimizersContainer holds one optimizer per model part (its own param_groups
         # carry no learning rate): the first part's is the one its logs report.
         inner = getattr(trainer.optimizers, "optimizers", None)
         self.optimizer = inner[0] if inner else trainer.optimizers
-        self.accumulating = trainer.gradient_accumulation_steps > 1 or trainer.parallel_dims.pp_enabled
-        self.last_stage = not trainer.parallel_dims.pp_enabled or bool(getattr(trainer, "pp_has_last_stage", True))
+        dims = trainer.parallel_dims
+        self.accumulating = trainer.gradient_accumulation_steps > 1 or dims.pp_enabled
+        self.last_stage = not dims.pp_enabled or bool(getattr(trainer, "pp_has_last_stage", True))
         for part in trainer.model_parts:
             monitor.watch(part)   # DTensor parameters: the mesh's dimensions name their process groups
-        _wrap(trainer, "batch_generator", self.batch_generator)
-        _wrap(trainer, "train_step", self.train_step)
-        _wrap(trainer, "forward_backward_step", self.forward_backward_step)
-        _wrap(trainer, "loss_fn", self.loss_fn)
-        _wrap(trainer.lr_schedulers, "step", self.lr_schedulers_step)
-        _wrap(trainer.checkpointer, "save", self.checkpoint_save)
-        _wrap(trainer.checkpointer, "load", self.checkpoint_load)
+        trainer.batch_generator = functools.wraps(trainer.batch_generator)(self._batch_generator(trainer.batch_generator))
+        self._wrap(trainer, "train_step", before=self.step_begins, after=self.step_ends, failed=self.step_failed)
+        self._wrap(trainer, "forward_backward_step", before=self.micro_batch_begins, after=self.micro_batch_ends)
+        self._wrap(trainer, "loss_fn", after=self.loss_computed)
+        self._wrap(trainer.lr_schedulers, "step", after=self.optimizer_done)
+        self._wrap(trainer.checkpointer, "save", before=self.block_begins, after=self.saved)
+        self._wrap(trainer.checkpointer, "load", before=self.block_begins, after=self.loaded)
         validator = getattr(trainer, "validator", None)
         if validator is not None:
-            _wrap(validator, "validate", self.validate)
-        _wrap(trainer, "close", self.close)
+            self._wrap(validator, "validate", before=self.block_begins, after=self.validated,
+                       failed=self.validated)
+        self._wrap(trainer, "close", after=self.closed, failed=self.closed)
         _watch_clipping()
         _instrumented.append(self)
 
-    # -- phases ----------------------------------------------------------------------
+    # -- wrapping ----------------------------------------------------------------------
+    def _wrap(self, owner: Any, name: str, before: Any = None, after: Any = None, failed: Any = None) -> None:
+        """Replace ``owner.name``, on this object only, with the same call between rankscope's
+        ``before(*args, **kwargs)`` and ``after(result)`` (``failed(exc)`` if it raised)."""
+        original = getattr(owner, name)
+        guard = self.guard
+
+        @functools.wraps(original, updated=())   # its name and docstring; not an object's attributes
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if before is not None:
+                guard(before, *args, **kwargs)
+            try:
+                result = original(*args, **kwargs)
+            except BaseException as exc:
+                if failed is not None:
+                    guard(failed, exc)
+                raise
+            if after is not None:
+                guard(after, result)
+            return result
+
+        setattr(owner, name, wrapper)
+
+    def guard(self, hook: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            hook(*args, **kwargs)
+        except Exception:
+            self.monitor.errors.error("step")
+
     def switch(self, name: str | None) -> None:
+        """Close the running phase and open ``name`` (None: none; the time counts as ``other``)."""
         if self.phase is not None:
             self.phase.stop()
             self.phase = None
         if name is not None and self.step is not None:
             self.phase = self.step.phase(name).start()
 
-    # -- the wrapped calls --------------------------------------------------------------
-    def batch_generator(self, original: Any, data_iterable: Any) -> Any:
-        batches = self.monitor.data(original(data_iterable))
-
-        def counted() -> Any:
-            for batch in batches:
-                step = self.step
-                if step is not None:
-                    labels = batch[1]
-                    step.count(samples=int(labels.shape[0]), tokens=int(labels.numel()))
-                    self.local_tokens += int((labels != IGNORE_INDEX).sum())
+    # -- a step ------------------------------------------------------------------------
+    def _batch_generator(self, original: Any) -> Any:
+        def batch_generator(data_iterable: Any) -> Any:
+            for batch in self.monitor.data(original(data_iterable)):   # each wait: the step's data phase
+                if self.step is not None:
+                    self.guard(self.count, batch)
                 yield batch
+        return batch_generator
 
-        return counted()
+    def count(self, batch: Any) -> None:
+        labels = batch[1]
+        self.step.count(samples=int(labels.shape[0]), tokens=int(labels.numel()))
+        self.local_tokens += int((labels != IGNORE_INDEX).sum())
 
-    def train_step(self, original: Any, *args: Any, **kwargs: Any) -> Any:
-        trainer = self.trainer
+    def step_begins(self, *args: Any, **kwargs: Any) -> None:
         self.loss = self.global_tokens = self.grad_norm = None
         self.local_tokens = 0
-        lr = first_lr(self.optimizer)   # before the scheduler steps: the rate this step uses
-        step = self.step = self.monitor.step(step=trainer.step).begin()
-        try:
-            result = original(*args, **kwargs)
-        except BaseException as exc:
-            self._end(exc)
-            raise
-        step.observe(loss=self._rank_loss(), grad_norm=self.grad_norm, lr=lr)
+        self.lr = first_lr(self.optimizer)   # before the scheduler steps: the rate this step uses
+        self.monitor.awaiting_next_event(0.0)
+        self.step = self.monitor.step(step=self.trainer.step).begin()   # torchtitan counted it up already
+
+    def step_ends(self, result: Any) -> None:
+        if self.step is not None:
+            self.step.observe(loss=self.rank_loss(), grad_norm=self.grad_norm, lr=self.lr)
         self._end(None)
-        return result
+
+    def step_failed(self, exc: BaseException) -> None:
+        # Out of data (DataloaderExhaustedError) too: torchtitan cancels the step, so it is not counted.
+        self._end(exc)
 
     def _end(self, exc: BaseException | None) -> None:
         step, self.step = self.step, None
-        self.switch(None)
         self.loss = self.global_tokens = self.grad_norm = None
         if step is not None:
-            # Out of data (DataloaderExhaustedError): torchtitan cancels the step, so it is not counted.
+            if self.phase is not None:
+                self.phase.stop()
+                self.phase = None
             step.end(exc)
+        self.between_steps()
 
-    def _rank_loss(self) -> Any:
+    def between_steps(self) -> None:
+        """What torchtitan does next (a save, a validation, the next step) tells what the time
+        from now on was: it is not judged idle meanwhile."""
+        self.monitor.awaiting_next_event(time.perf_counter())
+
+    def rank_loss(self) -> Any:
         """This rank's mean loss over its valid tokens (a new tensor: never a CUDA graph's output)."""
         if self.loss is None or not self.last_stage or not self.local_tokens:
             return None
         return self.loss * self.global_tokens / self.local_tokens
 
-    def forward_backward_step(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+    def micro_batch_begins(self, *args: Any, **kwargs: Any) -> None:
+        if self.step is not None:
+            self.global_tokens = kwargs.get("global_valid_tokens")
+            self.switch("forward")
+
+    def micro_batch_ends(self, result: Any) -> None:
         if self.step is None:
-            return original(*args, **kwargs)
-        self.global_tokens = kwargs.get("global_valid_tokens")
-        self.switch("forward")
-        result = original(*args, **kwargs)
+            return
         self.switch(None)
         if self.last_stage:
             loss = result.detach()
@@ -215,62 +261,42 @@ class TrainerSteps:
                 self.loss = loss.clone() if self.accumulating else loss
             else:
                 self.loss = self.loss + loss
-        return result
 
-    def loss_fn(self, original: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
+    def loss_computed(self, result: Any) -> None:
         if self.phase is not None and self.phase.name == "forward" and threading.get_ident() == self.thread:
             self.switch("backward")
-        return result
 
-    def lr_schedulers_step(self, original: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
+    def clipping(self) -> None:
+        self.switch("optimizer")   # clipping opens torchtitan's "optim" span
+
+    def optimizer_done(self, result: Any) -> None:
         if self.step is not None:
             self.switch(None)
-        return result
 
-    def checkpoint_save(self, original: Any, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        wrote = original(*args, **kwargs)
-        if wrote and self.step is None:
-            self.monitor.checkpoint_took(t0, time.perf_counter(), "save")
-        return wrote
+    # -- between steps -------------------------------------------------------------------
+    def block_begins(self, *args: Any, **kwargs: Any) -> None:
+        self.started = time.perf_counter()
 
-    def checkpoint_load(self, original: Any, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        read = original(*args, **kwargs)
+    def saved(self, wrote: Any) -> None:
+        if wrote and self.step is None:   # torchtitan calls save() every step; it says whether it wrote
+            self.monitor.checkpoint_took(self.started, time.perf_counter(), "save")
+            self.between_steps()
+
+    def loaded(self, read: Any) -> None:
         if read and self.step is None:
-            self.monitor.checkpoint_took(t0, time.perf_counter(), "restore")
-        return read
+            self.monitor.checkpoint_took(self.started, time.perf_counter(), "restore")
+            self.between_steps()
 
-    def validate(self, original: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.step is not None:
-            return original(*args, **kwargs)
-        t0 = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            self.monitor.evaluation_took(t0, time.perf_counter())
+    def validated(self, result: Any) -> None:
+        if self.step is None:
+            self.monitor.evaluation_took(self.started, time.perf_counter())
+            self.between_steps()
 
-    def close(self, original: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return original(*args, **kwargs)
-        finally:
-            if self in _instrumented:
-                _instrumented.remove(self)
-            if self.own_monitor:
-                self.monitor.close()
-
-
-def _wrap(owner: Any, name: str, method: Any) -> None:
-    """Replace ``owner.name`` on this object only with ``method(original, *args, **kwargs)``."""
-    original = getattr(owner, name)
-
-    @functools.wraps(original)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return method(original, *args, **kwargs)
-
-    setattr(owner, name, wrapper)
+    def closed(self, result: Any) -> None:
+        if self in _instrumented:
+            _instrumented.remove(self)
+        if self.own_monitor:
+            self.monitor.close()
 
 
 # -- the gradient norm: torchtitan's module function, wrapped once per process ---------------
@@ -286,7 +312,7 @@ def _watch_clipping() -> None:
     def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
         clipping = [s for s in _instrumented if s.step is not None and s.thread == threading.get_ident()]
         for steps in clipping:
-            steps.switch("optimizer")   # clipping opens torchtitan's "optim" span
+            steps.guard(steps.clipping)
         norm = original(*args, **kwargs)
         for steps in clipping:
             steps.grad_norm = norm
