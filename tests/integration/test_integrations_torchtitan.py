@@ -91,19 +91,34 @@ def _recorded(out: Path) -> dict:
     return recorded
 
 
-def _main_job(tmp: Path) -> Run:
-    job = _job(tmp, "--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval",
-               str(CHECKPOINT_EVERY), "--validator.enable", "--validator.freq", str(VALIDATE_EVERY),
-               "--validator.steps", "2", name="torchtitan")
-    with job:
-        job.start()
-        job.wait(timeout=420)
-        final, samples = final_values(job), job.scrape()
+MAIN_ARGS = ("--training.steps", str(STEPS), "--debug.seed", "0", "--checkpoint.enable", "--checkpoint.interval",
+             str(CHECKPOINT_EVERY), "--validator.enable", "--validator.freq", str(VALIDATE_EVERY), "--validator.steps", "2")
+
+
+def _logged(job: UserJob) -> dict:
     logged = {}
     for rank in RANKS:
         lines = (job.out / f"rank{rank}.metrics.jsonl").read_text().splitlines()
         logged[rank] = {r["step"]: r for r in map(json.loads, lines)}
-    return Run(final, samples, logged, _spans(tmp / "dump"), _recorded(job.out))
+    return logged
+
+
+def _bare_job(tmp: Path) -> dict:
+    """The main job without rankscope: torchtitan's logged values, step by step."""
+    job = _job(tmp, *MAIN_ARGS, name="torchtitan-bare", env={"TITAN_WITHOUT_RANKSCOPE": "1"})
+    with job:
+        job.start()
+        job.wait(timeout=420)
+    return _logged(job)
+
+
+def _main_job(tmp: Path) -> Run:
+    job = _job(tmp, *MAIN_ARGS, name="torchtitan")
+    with job:
+        job.start()
+        job.wait(timeout=420)
+        final, samples = final_values(job), job.scrape()
+    return Run(final, samples, _logged(job), _spans(tmp / "dump"), _recorded(job.out))
 
 
 def _hang_job(tmp: Path) -> Run:
@@ -123,10 +138,13 @@ def _hang_job(tmp: Path) -> Run:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Run]:
+    # The bare job runs after the main one (each compares its clocks with torchtitan's, in one process).
     with ThreadPoolExecutor(max_workers=2) as pool:
         main = pool.submit(_main_job, tmp_path_factory.mktemp("torchtitan-main"))
         hang = pool.submit(_hang_job, tmp_path_factory.mktemp("torchtitan-hang"))
-        return {"main": main.result(), "hang": hang.result()}
+        runs = {"main": main.result(), "hang": hang.result()}
+        runs["bare"] = Run({}, [], pool.submit(_bare_job, tmp_path_factory.mktemp("torchtitan-bare")).result(), {}, {})
+        return runs
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +250,16 @@ def test_a_hang_on_rank_1_pages_naming_rank_1(runs):
     assert page["alert"]["labels"]["alertname"] in ("RankscopeCollectiveBehind", "RankscopeHangSuspect")
     assert page["alert"]["labels"]["rank"] == HANG_RANK
     assert {rank for _, rank in page["paged"]} == {HANG_RANK}, page["paged"]
+
+
+def test_rankscope_changes_nothing_torchtitan_computes(runs):
+    """The same job (seed 0) without rankscope logs the same loss (mean and max), gradient norm
+    and learning rate at every step, bit for bit, on every rank: every update before the last
+    step was the same."""
+    for rank in RANKS:
+        with_rankscope, bare = runs["main"].logged[rank], runs["bare"].logged[rank]
+        assert sorted(with_rankscope) == sorted(bare) == list(range(1, STEPS + 1))
+        for step in bare:
+            for key in ("avg_loss", "max_loss", "grad_norm"):
+                assert with_rankscope[step][key] == bare[step][key], (rank, step, key)
+            assert with_rankscope[step]["extra"] == bare[step]["extra"], (rank, step)

@@ -33,6 +33,7 @@ What torchtitan itself saw, for the test to compare with (``LOOP_OUT``):
 * torchtitan's own structured log (``<dump folder>/structured_logs``, on by default):
   its spans ``fwd_bwd``, ``optim``, ``fetching_batch``.
 
+``TITAN_WITHOUT_RANKSCOPE=1``: torchtitan's own ``main``, without rankscope.
 ``TITAN_HANG_RANK`` / ``TITAN_HANG_STEP``: that rank stops for good before that step's
 forward (a rank that hangs; its peer then waits in the next collective).
 """
@@ -157,6 +158,11 @@ if __name__ == "__main__":
     _record_torchtitans_own_figures(out, rank)
     if os.environ.get("TITAN_HANG_RANK") == str(rank):
         _hang(rank, int(os.environ["TITAN_HANG_STEP"]))
-    from rankscope.integrations.torchtitan import main
+    if os.environ.get("TITAN_WITHOUT_RANKSCOPE"):   # the same job, bare: what rankscope must not change
+        import torchtitan.train
 
-    main()
+        torchtitan.train.main()
+    else:
+        from rankscope.integrations.torchtitan import main
+
+        main()

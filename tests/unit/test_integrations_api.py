@@ -156,11 +156,12 @@ raise torch.OutOfMemoryError("CUDA out of memory")
 IMPORTS = """
 import sys
 import rankscope, rankscope.integrations, rankscope.integrations.events
-frameworks = [m for m in ("transformers", "lightning", "pytorch_lightning", "accelerate") if m in sys.modules]
+frameworks = [m for m in ("transformers", "lightning", "pytorch_lightning", "accelerate", "torchtitan")
+              if m in sys.modules]
 assert not frameworks, frameworks
-for name in ("transformers", "lightning", "pytorch_lightning"):
+for name in ("transformers", "lightning", "pytorch_lightning", "torchtitan"):
     sys.modules[name] = None        # as if not installed
-for module, extra in (("hf", "hf"), ("lightning", "lightning")):
+for module, extra in (("hf", "hf"), ("lightning", "lightning"), ("torchtitan", "torchtitan")):
     try:
         __import__("rankscope.integrations." + module)
     except ImportError as e:
