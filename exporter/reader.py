@@ -23,6 +23,13 @@ sample; rendering then escapes every label of every sample again. Here:
   until a file is added, removed, grown or replaced. A scrape then only adds
   numbers into slots, in the same order prometheus_client adds them (so
   float sums are bit-for-bit the same), and renders them.
+* **A step's values are read together.** The rank writes a step's number,
+  loss, gradient norm and learning rate in place, one after the other, between
+  two fence gauges (``rankscope.contract.catalog.VALUES_FENCE_*``): the one
+  written first lies after the values in the file, the one written last before
+  them. A read copies the file front to back, so a copy whose two fences differ
+  was taken while the values were being written: the file is read again (a
+  seqlock across processes). The fences are never exported.
 * **Text is rendered from cached prefixes.** Each series' text up to its
   value (name and escaped labels) is rendered once, by prometheus_client's own
   exposition code, per output format (``rankscope.exporter.exposition``).
@@ -42,6 +49,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -50,11 +58,19 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from rankscope.contract.catalog import FENCE_METRICS, VALUES_FENCE_BEGIN, VALUES_FENCE_END
+
 _INT = struct.Struct("=i").unpack_from
 _FIRST_READ = 16384
 
 # prometheus_client strips its own ``pid`` label from gauges in these modes.
 _PID_STRIPPED = frozenset(("min", "livemin", "max", "livemax", "sum", "livesum", "mostrecent", "livemostrecent"))
+
+_DOUBLE = struct.Struct("=d").unpack_from
+FENCE_NAMES = frozenset(spec.name for spec in FENCE_METRICS)
+_FENCE_KEYS = tuple(f'["{name}", "{name}"'.encode() for name in (VALUES_FENCE_END, VALUES_FENCE_BEGIN))
+FENCE_TRIES = 5            # reads of a file caught mid-write before its last whole copy is kept
+FENCE_RETRY_S = 0.0002     # the publisher writes a step's values in microseconds
 
 # How an entry's value is combined into its merged slot.
 SUM, MOSTRECENT, LAST, MIN, MAX = range(5)
@@ -72,7 +88,7 @@ class DbFile:
     """One multiprocess file as last read: its parsed entries and latest values."""
 
     __slots__ = ("path", "typ", "mode", "pid", "ident", "data", "end", "keys", "parsed", "struct", "values",
-                 "stamps", "version", "_intern")
+                 "stamps", "version", "fences", "torn", "_intern")
 
     _versions = 0
 
@@ -95,13 +111,30 @@ class DbFile:
         self.values: tuple = ()
         self.stamps: tuple = ()
         self.version = 0
+        self.fences: tuple[int, int] | None = None   # where the two fence values lie, once found
+        self.torn = 0          # copies taken mid-write (read again)
 
     def refresh(self) -> bool:
         """Read the file again. Returns False if it is gone. Raises CorruptFile."""
+        for _ in range(FENCE_TRIES):
+            read = self._read()
+            if read is None:
+                return False
+            st, data, used = read
+            if self._whole(data, (st.st_dev, st.st_ino)):
+                break
+            self.torn += 1
+            time.sleep(FENCE_RETRY_S)
+        else:
+            if self.data:
+                return True   # written to all along: the last whole copy stands until the next scrape
+        return self._take(st, data, used)
+
+    def _read(self) -> tuple[os.stat_result, bytes, int] | None:
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
-            return False
+            return None
         try:
             st = os.fstat(fd)
             data = os.pread(fd, _FIRST_READ, 0)
@@ -110,6 +143,20 @@ class DbFile:
                 data += os.pread(fd, used - len(data), len(data))
         finally:
             os.close(fd)
+        return st, data, used
+
+    def _whole(self, data: bytes, ident: tuple) -> bool:
+        """Whether the copy's fences agree (or the file has none): no step's values half-written."""
+        if ident != self.ident or self.fences is None:
+            self.fences = _fence_offsets(data)
+        if self.fences is None:
+            return True
+        end, begin = self.fences
+        if begin + 8 > len(data):
+            return True
+        return _DOUBLE(data, end)[0] == _DOUBLE(data, begin)[0]
+
+    def _take(self, st: os.stat_result, data: bytes, used: int) -> bool:
         if used <= 8:
             # No entry yet; a file its process has only just created may not even have its header.
             used, data = 8, b"\0" * 8
@@ -163,6 +210,20 @@ class DbFile:
         self.data, self.end = data, used
         DbFile._versions += 1
         self.version = DbFile._versions
+
+
+def _fence_offsets(data: bytes) -> tuple[int, int] | None:
+    """The offsets of the fence values (end's, begin's) in a file's bytes; None without both.
+    An entry is a 4-byte key length, the key (JSON: ``[metric, sample, labels, help]``), padding
+    to 8 bytes, then its value and timestamp (``prometheus_client.mmap_dict``)."""
+    offsets = []
+    for key in _FENCE_KEYS:
+        at = data.find(key)
+        if at < 4:
+            return None
+        n = _INT(data, at - 4)[0]
+        offsets.append(at + n + 8 - (n + 4) % 8)
+    return offsets[0], offsets[1]
 
 
 class _Series:
@@ -483,9 +544,10 @@ class RunReader:
                 self._plan = None
             self._plan_key = key
         if self._plan is None:
-            return list(MultiProcessCollector.merge([f.path for f in files], accumulate=True))
+            return [m for m in MultiProcessCollector.merge([f.path for f in files], accumulate=True)
+                    if m.name not in FENCE_NAMES]
         acc, first = _accumulate(self._plan)
-        return [MergedFamily(fam, acc, first) for fam in self._plan.families]
+        return [MergedFamily(fam, acc, first) for fam in self._plan.families if fam.name not in FENCE_NAMES]
 
 
 class Reader:

@@ -210,12 +210,14 @@ def _register(run_dir: Path, rank: int, pid: int, ticks) -> Registration:
 
 def _oracle(run_dir: Path, dead: set[int], latest_pids: set[str]) -> list:
     """What the exporter served before the reader: prometheus_client's merge of the files,
-    without the live gauges of dead processes, rank_info of the newest process per rank only."""
+    without the live gauges of dead processes, rank_info of the newest process per rank only,
+    and never the publisher's fences."""
     from rankscope.contract.rundir import db_file_pid
+    from rankscope.exporter.reader import FENCE_NAMES
 
     files = [f for f in files_of(run_dir)
              if not (Path(f).name.startswith("gauge_live") and db_file_pid(Path(f)) in dead)]
-    merged = list(MultiProcessCollector.merge(files, accumulate=True))
+    merged = [m for m in MultiProcessCollector.merge(files, accumulate=True) if m.name not in FENCE_NAMES]
     for m in merged:
         if m.name == "rankscope_rank_info":
             m.samples = [s for s in m.samples if s.labels.get("process_id") in latest_pids]

@@ -440,34 +440,3 @@ def test_leaving_the_monitor_on_an_exception_is_failed(tmp_path, monkeypatch):
         finally:
             m.close()   # the usual try/finally: runs while the OOM propagates
     assert registration_of(m).exception == "OutOfMemoryError"
-
-
-UNCAUGHT = """
-import sys
-from rankscope import Monitor
-m = Monitor(exporter="off", metrics_dir=sys.argv[1], run="uncaught")
-with m.step():
-    pass
-if sys.argv[2] == "raise":
-    raise RuntimeError("Connection closed by peer")
-sys.exit(0)
-"""
-
-
-@pytest.mark.parametrize("how, exception", [("raise", "RuntimeError"), ("exit", "")])
-def test_an_uncaught_exception_marks_the_rank_failed_at_exit(tmp_path, how, exception):
-    """No close() in the script: the exit hook closes the monitor, after the
-    exception hook has seen the exception that ends the interpreter."""
-    import subprocess
-    import sys
-
-    from rankscope.contract.rundir import load_registrations
-
-    env = {k: v for k, v in __import__("os").environ.items() if k not in LAUNCH_VARS}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    proc = subprocess.run([sys.executable, "-c", UNCAUGHT, str(tmp_path), how], env=env, capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == (1 if exception else 0), proc.stderr
-    (reg,) = load_registrations(tmp_path / "uncaught")
-    assert reg.exception == exception
-    assert bool(reg.finished_at) == (not exception) and bool(reg.failed_at) == bool(exception)

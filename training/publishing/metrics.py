@@ -89,13 +89,16 @@ class RankMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self._metrics = {}
         with mmap_values(directory):
-            for spec in catalog.RANK_METRICS:
+            for spec in catalog.RANK_METRICS + catalog.FENCE_METRICS:
                 self._metrics[spec.name] = build_metric(spec, self.registry)
             ident = tuple(identity_labels[name] for name in catalog.IDENTITY_LABELS)
             m = self._metrics
             b = self.bind
             self.start_ts = b("rankscope_rank_start_timestamp_seconds")
             self.heartbeat = b("rankscope_heartbeat_timestamp_seconds")
+            # A child's entry is made in its file when it is bound: the values of a step (the
+            # mostrecent gauges below) lie between the fence written last and the one written first.
+            self.values_fence_end = b(catalog.VALUES_FENCE_END)
             self.step = b("rankscope_step")
             self.steps = b("rankscope_steps_total")
             self.step_duration = b("rankscope_step_duration_seconds")
@@ -117,6 +120,8 @@ class RankMetrics:
             self.loss_z = b("rankscope_loss_zscore")
             self.grad_norm = b("rankscope_grad_norm")
             self.lr = b("rankscope_learning_rate")
+            self.values_fence_begin = b(catalog.VALUES_FENCE_BEGIN)
+            self.values_written = 0
             self.nonfinite = {w: m["rankscope_nonfinite_total"].labels(*ident, w) for w in catalog.NONFINITE_WHAT}
             self.loss_spikes = b("rankscope_loss_spikes_total")
             self.grad_spikes = b("rankscope_grad_norm_spikes_total")

@@ -162,9 +162,6 @@ class Publisher:
         if acc.steps:
             m.steps.inc(acc.steps)
             observe_all(m.step_duration, acc.durations)
-            m.step_last.set(acc.last_duration)
-            m.step_ts.set(acc.last_end)
-            m.step.set(acc.last_step)
             if acc.samples:
                 m.samples.inc(acc.samples)
             if acc.tokens:
@@ -181,27 +178,13 @@ class Publisher:
         for k, v in acc.phase.items():  # CUDA steps' phases arrive after their step
             if v:
                 m.phase[k].inc(v)
-        if not math.isnan(acc.last_compute):
-            m.step_last_compute.set(acc.last_compute)
         if acc.ooms:
             m.ooms.inc(acc.ooms)
-        self._write_health(acc)
-
-    def _write_health(self, acc: Accumulator) -> None:
-        m = self._m
         for n, child in ((acc.nonfinite_loss, m.nonfinite["loss"]), (acc.nonfinite_grad, m.nonfinite["grad"]),
                          (acc.loss_spikes, m.loss_spikes), (acc.grad_spikes, m.grad_spikes)):
             if n:
                 child.inc(n)
-        if acc.losses:
-            m.loss.set(acc.losses[-1])
-        if not math.isnan(acc.loss_ema):
-            m.loss_ema.set(acc.loss_ema)
-            m.loss_z.set(acc.loss_z)
-        if acc.grad_norms:
-            m.grad_norm.set(acc.grad_norms[-1])
-        if not math.isnan(acc.lr):
-            m.lr.set(acc.lr)
+        write_step_values(m, acc)
 
     def _write_collectives(self) -> None:
         m, tracker = self._m, self._tracker
@@ -259,6 +242,33 @@ class Publisher:
             self._errors.drop("collective", "more completed collectives than buffered between two publishes",
                               collectives - self._published["collective"])
             self._published["collective"] = collectives
+
+
+def write_step_values(m: Any, acc: Accumulator) -> None:
+    """The last step's number, time, compute, loss, gradient norm and learning rate, written in one
+    stretch between the fences (``RankMetrics.values_fence_*``): the exporter never takes one
+    step's loss beside another step's gradient norm (rankscope.exporter.reader)."""
+    if not (acc.steps or acc.losses or acc.grad_norms or not math.isnan(acc.lr)
+            or not math.isnan(acc.last_compute)):
+        return
+    m.values_written += 1
+    m.values_fence_begin.set(m.values_written)
+    if acc.steps:
+        m.step_last.set(acc.last_duration)
+        m.step_ts.set(acc.last_end)
+        m.step.set(acc.last_step)
+    if not math.isnan(acc.last_compute):
+        m.step_last_compute.set(acc.last_compute)
+    if acc.losses:
+        m.loss.set(acc.losses[-1])
+    if not math.isnan(acc.loss_ema):
+        m.loss_ema.set(acc.loss_ema)
+        m.loss_z.set(acc.loss_z)
+    if acc.grad_norms:
+        m.grad_norm.set(acc.grad_norms[-1])
+    if not math.isnan(acc.lr):
+        m.lr.set(acc.lr)
+    m.values_fence_end.set(m.values_written)
 
 
 def observe_all(histogram: Any, values: list[float]) -> None:
