@@ -29,7 +29,9 @@ sample; rendering then escapes every label of every sample again. Here:
   written first lies after the values in the file, the one written last before
   them. A read copies the file front to back, so a copy whose two fences differ
   was taken while the values were being written: the file is read again (a
-  seqlock across processes). The fences are never exported.
+  seqlock across processes). The fences are never exported. Exact where the
+  kernel's copy loads in address order (x86-64); on a weakly ordered CPU (ARM)
+  it may load out of order, and a tear, far rarer, is still possible.
 * **Text is rendered from cached prefixes.** Each series' text up to its
   value (name and escaped labels) is rendered once, by prometheus_client's own
   exposition code, per output format (``rankscope.exporter.exposition``).
