@@ -15,12 +15,21 @@ model and alternates short training runs of ``--block`` steps:
 
 Round r runs one block of each, bare first on even rounds and last on odd
 ones (ABBA), so drift and warm-up fall on both alike. A small timing callback,
-present in both variants, stamps the end of every step; a block's figures are
-the mean and the median of its step-to-step times after its first step (which
-includes the run's setup); the median is not moved by another process's
-burst landing in one block of a pair. The paired difference of the two
-blocks of a round, over all rounds, gives the overhead as a fraction of the
-bare step with its 95% interval, for each figure.
+present in both variants, stamps the end of every step (the wall clock and the
+process's CPU time); a block's figures are the mean and the median of its
+step-to-step times after its first step (which includes the run's setup), and
+the process's CPU seconds per step over the same steps; the median is not
+moved by another process's burst landing in one block of a pair. The paired
+difference of the two blocks of a round, over all rounds, gives the overhead
+as a fraction of the bare step with its 95% interval, for each figure.
+
+The CPU figure is what rankscope adds to the rank's work per step, every
+thread of the process together (the callback's hooks on the training thread,
+the publisher and readers behind it), as a share of the bare step's wall time:
+an upper bound on the slowdown where that work serialises with training (one
+core, the GIL). On 2 cores shared by 2 ranks it is as noisy as the wall clock
+(gloo's and the exporter's threads move it); adapter_hooks.py times the hooks
+themselves.
 
 One Monitor is open for the whole job (the callback is given it), with its
 defaults: metrics on, the node exporter auto-started, tracing off unless
@@ -69,12 +78,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # -- rank side ---------------------------------------------------------------------------
-def block_figures(stamps: list[float]) -> tuple[float, float]:
+def block_figures(stamps: list[tuple[float, float]]) -> tuple[float, float, float]:
     """Mean and median step-to-step time of a block, after its first step (which includes the
-    run's setup). The median is what a preemption by another process, landing in one block
-    of a pair, does not move."""
-    gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
-    return sum(gaps) / len(gaps), gaps[len(gaps) // 2]
+    run's setup), and the process's CPU seconds per step over those steps. The median is what
+    a preemption by another process, landing in one block of a pair, does not move."""
+    gaps = sorted(b[0] - a[0] for a, b in zip(stamps, stamps[1:]))
+    cpu = (stamps[-1][1] - stamps[0][1]) / (len(stamps) - 1)
+    return sum(gaps) / len(gaps), gaps[len(gaps) // 2], cpu
 
 
 def hf_worker(args, monitor) -> tuple[list[float], list[float]]:
@@ -100,10 +110,10 @@ def hf_worker(args, monitor) -> tuple[list[float], list[float]]:
 
     class Stamps(TrainerCallback):
         def __init__(self):
-            self.stamps: list[float] = []
+            self.stamps: list[tuple[float, float]] = []
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.stamps.append(time.perf_counter())
+            self.stamps.append((time.perf_counter(), time.process_time()))
 
     torch.manual_seed(0)
     base = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=64, n_layer=2, n_head=2))
@@ -149,10 +159,10 @@ def lightning_worker(args, monitor) -> tuple[list[float], list[float]]:
 
     class Stamps(pl.Callback):
         def __init__(self):
-            self.stamps: list[float] = []
+            self.stamps: list[tuple[float, float]] = []
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.stamps.append(time.perf_counter())
+            self.stamps.append((time.perf_counter(), time.process_time()))
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
@@ -269,11 +279,13 @@ def launch_one(args: argparse.Namespace, framework: str) -> dict:
             "wall_s": time.perf_counter() - started}
 
 
-def compare(bare: list[float], instrumented: list[float]) -> dict:
-    """Paired differences of the blocks of each round, as a fraction of the bare step."""
+def compare(bare: list[float], instrumented: list[float], bare_step: list[float] | None = None) -> dict:
+    """Paired differences of the blocks of each round, as a fraction of the bare step (``bare_step``:
+    the bare blocks' wall-clock step, where the figure compared is not itself one)."""
     diffs = [b - a for a, b in zip(bare, instrumented)]
     mean, lo, hi = mean_ci(diffs)
-    base = sum(bare) / len(bare)
+    steps = bare if bare_step is None else bare_step
+    base = sum(steps) / len(steps)
     median = lambda v: sorted(v)[len(v) // 2]
     return {"pairs": len(diffs), "bare_step_ms": 1000 * base, "diff_ms": 1000 * mean,
             "frac": mean / base, "ci_frac": [lo / base, hi / base],
@@ -292,8 +304,10 @@ def main(argv=None) -> int:
         result = launch_one(args, framework)
         per_rank = {}
         for r in result["ranks"]:
-            for figure, index in (("block mean", 0), ("block median", 1)):
-                c = compare([b[index] for b in r["bare"]], [b[index] for b in r["rankscope"]])
+            bare_means = [b[0] for b in r["bare"]]
+            for figure, index in (("block mean", 0), ("block median", 1), ("CPU per step", 2)):
+                c = compare([b[index] for b in r["bare"]], [b[index] for b in r["rankscope"]],
+                            bare_means if index == 2 else None)
                 per_rank.setdefault(str(r["rank"]), {})[figure.replace(" ", "_")] = c
                 rows.append([framework, r["rank"], figure, c["pairs"], f"{c['bare_step_ms']:.2f}",
                              f"{c['diff_ms']:+.3f}",

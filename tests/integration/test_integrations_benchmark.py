@@ -1,6 +1,7 @@
-"""tests/benchmarks/adapters.py runs end to end with tiny parameters (a smoke run, as
-tests/integration/test_benchmarks_smoke.py does for the other benchmarks): both frameworks' 2-rank jobs,
-the table, and a final JSON line with a paired figure per rank. No timing is asserted."""
+"""tests/benchmarks/adapters.py and adapter_hooks.py run end to end with tiny parameters (smoke runs,
+as tests/integration/test_benchmarks_smoke.py does for the other benchmarks): both frameworks' 2-rank
+jobs, the table, and a final JSON line with a paired figure per rank; each hook's time. No timing is
+asserted."""
 
 from __future__ import annotations
 
@@ -24,7 +25,18 @@ def test_adapters_benchmark_quick():
         result = figures["frameworks"][framework]
         assert result["scrapes_ok"] >= 1, f"{framework}: the exporter was never scraped during the job"
         for rank in ("0", "1"):
-            for figure in ("block_mean", "block_median"):
+            for figure in ("block_mean", "block_median", "CPU_per_step"):
                 c = result["ranks"][rank][figure]
                 assert c["pairs"] == 2 and c["bare_step_ms"] > 0
                 assert c["ci_frac"][0] <= c["frac"] <= c["ci_frac"][1]
+
+
+def test_adapter_hooks_benchmark_quick():
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "benchmarks" / "adapter_hooks.py"), "--steps", "40"],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert figures["benchmark"] == "adapter_hooks" and figures["step_us"] > 0
+    assert set(figures["hooks_us"]) == {"on_train_batch_start", "on_before_backward", "on_after_backward",
+                                        "on_before_optimizer_step", "on_train_batch_end"}
+    assert all(us > 0 for us in figures["hooks_us"].values())
