@@ -91,8 +91,9 @@ def _recorded(out: Path) -> dict:
     return recorded
 
 
-MAIN_ARGS = ("--training.steps", str(STEPS), "--debug.seed", "0", "--checkpoint.enable", "--checkpoint.interval",
-             str(CHECKPOINT_EVERY), "--validator.enable", "--validator.freq", str(VALIDATE_EVERY), "--validator.steps", "2")
+MAIN_ARGS = ("--training.steps", str(STEPS), "--debug.seed", "0",
+             "--checkpoint.enable", "--checkpoint.interval", str(CHECKPOINT_EVERY),
+             "--validator.enable", "--validator.freq", str(VALIDATE_EVERY), "--validator.steps", "2")
 
 
 def _logged(job: UserJob) -> dict:

@@ -31,7 +31,7 @@ What torchtitan itself saw, for the test to compare with (``LOOP_OUT``):
 * ``rank<N>.fr.json``: the flight recorder's whole ring (torch's own dump) when training
   is over, before the Trainer closes;
 * torchtitan's own structured log (``<dump folder>/structured_logs``, on by default):
-  its spans ``fwd_bwd``, ``optim``, ``fetching_batch``.
+  its spans ``fwd_bwd``, ``optim``, ``fetching_batch``, ``checkpoint_save``, ``eval``.
 
 ``TITAN_WITHOUT_RANKSCOPE=1``: torchtitan's own ``main``, without rankscope.
 ``TITAN_HANG_RANK`` / ``TITAN_HANG_STEP``: that rank stops for good before that step's
@@ -43,9 +43,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
-
 import types
+from pathlib import Path
 
 import torch
 import torchtitan.tools.utils as titan_utils
@@ -53,7 +52,8 @@ import torchtitan.tools.utils as titan_utils
 
 def _cpu_device_module() -> types.SimpleNamespace:
     """torch.cpu with the few CUDA-module calls torchtitan makes (its memory monitor's), answered for a CPU."""
-    cpu = types.SimpleNamespace(**{name: getattr(torch.cpu, name) for name in dir(torch.cpu) if not name.startswith("_")})
+    cpu = types.SimpleNamespace(**{name: getattr(torch.cpu, name) for name in dir(torch.cpu)
+                                   if not name.startswith("_")})
     cpu.get_device_name = lambda device=None: "cpu"
     cpu.current_device = lambda: 0   # an index, as torch.cuda's (torchtitan's barrier passes it as device_ids)
     cpu.get_device_properties = lambda device=None: types.SimpleNamespace(total_memory=os.sysconf("SC_PHYS_PAGES")

@@ -75,7 +75,7 @@ def instrument(trainer: Any, monitor: Any = None, **options: Any) -> Any:
     if own:
         from rankscope.monitor import Monitor
 
-        monitor = Monitor(**_monitor_arguments(trainer), **options)
+        monitor = Monitor(**{**_monitor_arguments(trainer), **options})   # what the caller says wins
     steps = TrainerSteps(trainer, monitor, own)
     trainer._rankscope = steps
     return monitor
@@ -91,7 +91,7 @@ def _monitor_arguments(trainer: Any) -> dict[str, Any]:
         arguments["device"] = device
     dims = trainer.parallel_dims
     per_token = getattr(getattr(trainer, "metrics_processor", None), "num_flops_per_token", None)
-    if per_token:
+    if per_token and not FlopsConfig.from_env().counts_flops:   # RANKSCOPE_FLOPS_PER_TOKEN and friends win
         # torchtitan's figure is the whole model's; each rank of a tensor, context or pipeline
         # group does its share of it for the same tokens (as torchtitan's own MFU divides).
         arguments["flops"] = FlopsConfig.from_env(flops_per_token=per_token / max(dims.non_data_parallel_size, 1))
@@ -142,7 +142,8 @@ class TrainerSteps:
         self.last_stage = not dims.pp_enabled or bool(getattr(trainer, "pp_has_last_stage", True))
         for part in trainer.model_parts:
             monitor.watch(part)   # DTensor parameters: the mesh's dimensions name their process groups
-        trainer.batch_generator = functools.wraps(trainer.batch_generator)(self._batch_generator(trainer.batch_generator))
+        generator = trainer.batch_generator
+        trainer.batch_generator = functools.wraps(generator)(self._batch_generator(generator))
         self._wrap(trainer, "train_step", before=self.step_begins, after=self.step_ends, failed=self.step_failed)
         self._wrap(trainer, "forward_backward_step", before=self.micro_batch_begins, after=self.micro_batch_ends)
         self._wrap(trainer, "loss_fn", after=self.loss_computed)
