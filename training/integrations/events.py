@@ -89,11 +89,7 @@ class EventSteps:
 
     def switch(self, name: str | None) -> None:
         """Close the running phase and open ``name`` (None: none, the time counts as ``other``)."""
-        if self.phase is not None:
-            self.phase.stop()
-            self.phase = None
-        if name is not None and self.step is not None:
-            self.phase = self.step.phase(name).start()
+        self.phase = switch_phase(self.step, self.phase, name)
 
     @property
     def phase_name(self) -> str | None:
@@ -162,6 +158,16 @@ def _save_histogram(monitor: Any) -> Any:
                                       "seconds each took, between steps (rankscope.integrations).")
         _save_histograms[monitor] = histogram
     return histogram
+
+
+def switch_phase(step: Any, running: Any, name: str | None) -> Any:
+    """Stop the ``running`` phase (if any) and start ``name`` in the open ``step`` (None: none, the
+    time counts as ``other``); returns the phase running now."""
+    if running is not None:
+        running.stop()
+    if name is not None and step is not None:
+        return step.phase(name).start()
+    return None
 
 
 def guarded(method: F) -> F:

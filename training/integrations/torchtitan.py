@@ -52,7 +52,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("rankscope.integrations.torchtitan needs torchtitan: pip install 'rankscope[torchtitan]'") from e
 
 from rankscope.contract.environment import ConfigError
-from rankscope.integrations.events import first_lr
+from rankscope.integrations.events import first_lr, switch_phase
 
 __all__ = ["instrument", "main"]
 
@@ -189,11 +189,7 @@ class TrainerSteps:
 
     def switch(self, name: str | None) -> None:
         """Close the running phase and open ``name`` (None: none; the time counts as ``other``)."""
-        if self.phase is not None:
-            self.phase.stop()
-            self.phase = None
-        if name is not None and self.step is not None:
-            self.phase = self.step.phase(name).start()
+        self.phase = switch_phase(self.step, self.phase, name)
 
     # -- a step ------------------------------------------------------------------------
     def _batch_generator(self, original: Any) -> Any:
@@ -229,9 +225,7 @@ class TrainerSteps:
         step, self.step = self.step, None
         self.loss = self.global_tokens = self.grad_norm = None
         if step is not None:
-            if self.phase is not None:
-                self.phase.stop()
-                self.phase = None
+            self.phase = switch_phase(None, self.phase, None)
             step.end(exc)
         self.between_steps()
 
