@@ -25,13 +25,14 @@ sample; rendering then escapes every label of every sample again. Here:
   float sums are bit-for-bit the same), and renders them.
 * **A step's values are read together.** The rank writes a step's number,
   loss, gradient norm and learning rate in place, one after the other, between
-  two fence gauges (``rankscope.contract.catalog.VALUES_FENCE_*``): the one
-  written first lies after the values in the file, the one written last before
-  them. A read copies the file front to back, so a copy whose two fences differ
-  was taken while the values were being written: the file is read again (a
-  seqlock across processes). The fences are never exported. Exact where the
-  kernel's copy loads in address order (x86-64); on a weakly ordered CPU (ARM)
-  it may load out of order, and a tear, far rarer, is still possible.
+  two fence gauges (``rankscope.contract.catalog.VALUES_FENCE_*``): the begin
+  fence first, the end fence last. A read takes the end fence on its own, then
+  the file, then the begin fence: if the two differ, a step's values were being
+  written during the copy, and the file is read again (a seqlock across
+  processes). The fences are never exported. The three reads are separate
+  system calls, ordered on x86-64 (whose fast string copy may reorder loads
+  within one copy, so fences inside the copy would not do); on a weakly ordered
+  CPU (ARM) a tear, far rarer, is still possible.
 * **Text is rendered from cached prefixes.** Each series' text up to its
   value (name and escaped labels) is rendered once, by prometheus_client's own
   exposition code, per output format (``rankscope.exporter.exposition``).
@@ -68,10 +69,10 @@ _FIRST_READ = 16384
 # prometheus_client strips its own ``pid`` label from gauges in these modes.
 _PID_STRIPPED = frozenset(("min", "livemin", "max", "livemax", "sum", "livesum", "mostrecent", "livemostrecent"))
 
-_DOUBLE = struct.Struct("=d").unpack_from
 FENCE_NAMES = frozenset(spec.name for spec in FENCE_METRICS)
 _FENCE_KEYS = tuple(f'["{name}", "{name}"'.encode() for name in (VALUES_FENCE_END, VALUES_FENCE_BEGIN))
 FENCE_TRIES = 5            # reads of a file caught mid-write before its last whole copy is kept
+FENCE_TRIES_FIRST = 100    # ... for a file never read whole yet (there is no last whole copy)
 FENCE_RETRY_S = 0.0002     # the publisher writes a step's values in microseconds
 
 # How an entry's value is combined into its merged slot.
@@ -118,12 +119,17 @@ class DbFile:
 
     def refresh(self) -> bool:
         """Read the file again. Returns False if it is gone. Raises CorruptFile."""
-        for _ in range(FENCE_TRIES):
+        for _ in range(FENCE_TRIES if self.data else FENCE_TRIES_FIRST):
             read = self._read()
             if read is None:
                 return False
-            st, data, used = read
-            if self._whole(data, (st.st_dev, st.st_ino)):
+            st, data, used, whole = read
+            if self.mode == "mostrecent" and ((st.st_dev, st.st_ino) != self.ident or self.fences is None):
+                fences = _fence_offsets(data)
+                if fences is not None and fences != self.fences:
+                    self.fences = fences   # found (or moved): this copy was read without them
+                    continue
+            if whole:
                 break
             self.torn += 1
             time.sleep(FENCE_RETRY_S)
@@ -132,33 +138,27 @@ class DbFile:
                 return True   # written to all along: the last whole copy stands until the next scrape
         return self._take(st, data, used)
 
-    def _read(self) -> tuple[os.stat_result, bytes, int] | None:
+    def _read(self) -> tuple[os.stat_result, bytes, int, bool] | None:
+        """The file's bytes up to its used end, and whether no step's values were half-written in
+        them: the end fence is read on its own before the copy and the begin fence after it, so
+        that the copy (whose loads a CPU may reorder among themselves: x86's fast string copy
+        does) lies between the two reads."""
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
             return None
+        fences = self.fences if self.mode == "mostrecent" else None
         try:
             st = os.fstat(fd)
+            end = os.pread(fd, 8, fences[0]) if fences else b""
             data = os.pread(fd, _FIRST_READ, 0)
             used = _INT(data, 0)[0] if len(data) >= 8 else 0
             if used > len(data):
                 data += os.pread(fd, used - len(data), len(data))
+            begin = os.pread(fd, 8, fences[1]) if fences else b""
         finally:
             os.close(fd)
-        return st, data, used
-
-    def _whole(self, data: bytes, ident: tuple) -> bool:
-        """Whether the copy's fences agree (or the file has none): no step's values half-written."""
-        if self.mode != "mostrecent":   # the fences and the values they guard are mostrecent gauges
-            return True
-        if ident != self.ident or self.fences is None:
-            self.fences = _fence_offsets(data)
-        if self.fences is None:
-            return True
-        end, begin = self.fences
-        if begin + 8 > len(data):
-            return True
-        return _DOUBLE(data, end)[0] == _DOUBLE(data, begin)[0]
+        return st, data, used, end == begin
 
     def _take(self, st: os.stat_result, data: bytes, used: int) -> bool:
         if used <= 8:

@@ -6,6 +6,7 @@ asserted."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,8 +33,9 @@ def test_adapters_benchmark_quick():
 
 
 def test_adapter_hooks_benchmark_quick():
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}   # an earlier test's
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "benchmarks" / "adapter_hooks.py"), "--steps", "40"],
-                          cwd=REPO, capture_output=True, text=True, timeout=240)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert figures["benchmark"] == "adapter_hooks" and figures["step_us"] > 0

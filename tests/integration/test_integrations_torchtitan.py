@@ -139,13 +139,13 @@ def _hang_job(tmp: Path) -> Run:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Run]:
-    # The bare job runs after the main one (each compares its clocks with torchtitan's, in one process).
+    # Two jobs at a time (2 cores): the bare one starts once the hang has paged. Each timing check
+    # compares clocks of one process with each other, so the jobs may share the machine.
     with ThreadPoolExecutor(max_workers=2) as pool:
         main = pool.submit(_main_job, tmp_path_factory.mktemp("torchtitan-main"))
         hang = pool.submit(_hang_job, tmp_path_factory.mktemp("torchtitan-hang"))
-        runs = {"main": main.result(), "hang": hang.result()}
-        runs["bare"] = Run({}, [], pool.submit(_bare_job, tmp_path_factory.mktemp("torchtitan-bare")).result(), {}, {})
-        return runs
+        bare = pool.submit(_bare_job, tmp_path_factory.mktemp("torchtitan-bare"))
+        return {"main": main.result(), "hang": hang.result(), "bare": Run({}, [], bare.result(), {}, {})}
 
 
 @pytest.fixture(scope="module")

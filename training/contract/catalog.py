@@ -255,8 +255,8 @@ RANK_METRICS: tuple[MetricSpec, ...] = (
 # A step's values together (the step, its time, loss, gradient norm, learning rate): the publisher
 # writes them in one stretch between two fences, and the exporter reads the file again while the
 # fences differ (a seqlock across processes; rankscope.exporter.reader). Written, never exported.
-VALUES_FENCE_BEGIN = PREFIX + "values_fence_begin"   # written first; its entry lies after the values
-VALUES_FENCE_END = PREFIX + "values_fence_end"       # written last; its entry lies before them
+VALUES_FENCE_BEGIN = PREFIX + "values_fence_begin"   # written first
+VALUES_FENCE_END = PREFIX + "values_fence_end"       # written last
 FENCE_METRICS: tuple[MetricSpec, ...] = (
     _g(VALUES_FENCE_END, "How many times the publisher finished writing a step's values (internal)."),
     _g(VALUES_FENCE_BEGIN, "How many times the publisher began writing a step's values (internal)."),

@@ -96,8 +96,7 @@ class RankMetrics:
             b = self.bind
             self.start_ts = b("rankscope_rank_start_timestamp_seconds")
             self.heartbeat = b("rankscope_heartbeat_timestamp_seconds")
-            # A child's entry is made in its file when it is bound: the values of a step (the
-            # mostrecent gauges below) lie between the fence written last and the one written first.
+            # Around a step's values (publisher.write_step_values; rankscope.exporter.reader)
             self.values_fence_end = b(catalog.VALUES_FENCE_END)
             self.step = b("rankscope_step")
             self.steps = b("rankscope_steps_total")
