@@ -129,7 +129,7 @@ class TrainerSteps:
         self.lr: Any = None             # the learning rate the open step uses
         self.loss: Any = None           # the step's accumulated loss as torchtitan returns it (a tensor)
         self.global_tokens: Any = None  # the data-parallel batch's valid tokens (torchtitan's tensor)
-        self.local_tokens = 0           # this rank's valid tokens in the step
+        self.local_tokens: Any = None   # this rank's valid tokens in the step (a tensor: never read here)
         self.grad_norm: Any = None
         self.started = 0.0              # perf_counter at the start of a save, load or validation
         self.thread = threading.get_ident()
@@ -203,11 +203,13 @@ class TrainerSteps:
     def count(self, batch: Any) -> None:
         labels = batch[1]
         self.step.count(samples=int(labels.shape[0]), tokens=int(labels.numel()))
-        self.local_tokens += int((labels != IGNORE_INDEX).sum())
+        # Added as a tensor where the labels are (torchtitan yields them on the CPU): no device sync.
+        valid = (labels != IGNORE_INDEX).sum()
+        self.local_tokens = valid if self.local_tokens is None else self.local_tokens + valid
 
     def step_begins(self, *args: Any, **kwargs: Any) -> None:
         self.loss = self.global_tokens = self.grad_norm = None
-        self.local_tokens = 0
+        self.local_tokens = None
         self.lr = first_lr(self.optimizer)   # before the scheduler steps: the rate this step uses
         self.monitor.awaiting_next_event(0.0)
         self.step = self.monitor.step(step=self.trainer.step).begin()   # torchtitan counted it up already
@@ -236,7 +238,7 @@ class TrainerSteps:
 
     def rank_loss(self) -> Any:
         """This rank's mean loss over its valid tokens (a new tensor: never a CUDA graph's output)."""
-        if self.loss is None or not self.last_stage or not self.local_tokens:
+        if self.loss is None or not self.last_stage or self.local_tokens is None:
             return None
         return self.loss * self.global_tokens / self.local_tokens
 
