@@ -53,7 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (REPO, bare_step, emit_json, kill_noted_ranks, loadavg, machine, mean_ci, mlp,  # noqa: E402
-                    monitored_step, note_rank_pid, proc_cpu_seconds, table)
+                    monitored_step, note_rank_pid, proc_cpu_seconds, table, threads_cpu_seconds)
 
 VARIANTS_BY_PARALLELISM = {"ddp": ("bare", "full", "hook"), "fsdp2": ("bare", "full")}
 
@@ -129,7 +129,7 @@ def worker(args: argparse.Namespace) -> int:
     times: list[list[float]] = [[] for _ in models]
     perf = time.perf_counter
     background = [t for t in threading.enumerate() if t is not threading.main_thread()]
-    cpu0 = _threads_cpu(background)
+    cpu0 = threads_cpu_seconds(background)
     wall0 = perf()
     for r in range(args.warmup + args.rounds):
         for i in orders[r % len(orders)]:
@@ -141,7 +141,7 @@ def worker(args: argparse.Namespace) -> int:
                 times[i].append(t1 - t0)
     wall = perf() - wall0
     background = [t for t in threading.enumerate() if t is not threading.main_thread()]
-    bg_cpu = _threads_cpu(background) - cpu0
+    bg_cpu = threads_cpu_seconds(background) - cpu0
     dist.barrier()
     reader = monitor.process_groups
     monitor.close()
@@ -152,19 +152,6 @@ def worker(args: argparse.Namespace) -> int:
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
     return 0
-
-
-def _threads_cpu(threads) -> float:
-    """CPU seconds of the given Python threads of this process (from /proc/self/task)."""
-    total = 0.0
-    for t in threads:
-        tid = getattr(t, "native_id", None)
-        try:
-            stat = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError):
-            continue
-    return total
 
 
 # -- launcher ------------------------------------------------------------------------------
