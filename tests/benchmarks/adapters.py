@@ -68,7 +68,7 @@ from common import (REPO, emit_json, kill_noted_ranks, loadavg, machine, mean_ci
                     table, threads_cpu_seconds)
 
 FRAMEWORKS = ("lightning", "hf", "torchtitan")
-DEFAULT_STEPS = {"lightning": 8000, "hf": 4000, "torchtitan": 168}   # torchtitan: ~3.5 s a step on 2 CPU cores
+DEFAULT_STEPS = {"lightning": 8000, "hf": 8000, "torchtitan": 168}   # torchtitan: ~3.5 s a step on 2 CPU cores
 DEFAULT_WARMUP = {"lightning": 200, "hf": 100, "torchtitan": 8}
 QUICK_STEPS = {"lightning": 24, "hf": 24, "torchtitan": 12}   # --quick, after a warm-up of 4 steps
 TITAN_VENV = REPO / ".venv-torchtitan"
@@ -87,6 +87,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=1024,
                    help="Lightning: the width of the 3-layer MLP (1024 at batch 64: overhead.py's step)")
     p.add_argument("--batch", type=int, default=64, help="Lightning: the batch size")
+    p.add_argument("--hf-width", type=int, default=128, help="HF: GPT-2's n_embd")
+    p.add_argument("--hf-layers", type=int, default=2, help="HF: GPT-2's n_layer")
+    p.add_argument("--empty-callback", action="store_true",
+                   help="Lightning and HF: switch a callback that does nothing instead of rankscope's (what the "
+                        "framework's own dispatch to one more callback costs)")
     p.add_argument("--quick", action="store_true", help="a few dozen steps: a smoke run, not a measurement")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -176,7 +181,8 @@ def lightning_worker(args, monitor) -> Alternation:
             return self.batch
 
     torch.manual_seed(0)
-    rankscope, step_end = RankscopeCallback(monitor=monitor), StepEnd()
+    rankscope = pl.Callback() if args.empty_callback else RankscopeCallback(monitor=monitor)
+    step_end = StepEnd()
     trainer = pl.Trainer(accelerator="cpu", devices=args.ranks, strategy="ddp" if args.ranks > 1 else "auto",
                          max_steps=args.steps, max_epochs=1,
                          callbacks=[rankscope, step_end], logger=False, enable_progress_bar=False,
@@ -214,16 +220,19 @@ def hf_worker(args, monitor) -> Alternation:
             alternation.step_ended()
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=64, n_layer=2, n_head=2))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=args.hf_width,
+                                       n_layer=args.hf_layers, n_head=2))
     training = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="adapters-hf-"), max_steps=args.steps, per_device_train_batch_size=batch,
         gradient_accumulation_steps=accumulate, learning_rate=1e-4, logging_steps=10 ** 9, save_strategy="no",
         report_to="none", use_cpu=True, ddp_backend="gloo", dataloader_num_workers=0, seed=0, disable_tqdm=True)
-    callback, step_end = RankscopeCallback(monitor=monitor), StepEnd()
+    callback = TrainerCallback() if args.empty_callback else RankscopeCallback(monitor=monitor)
+    step_end = StepEnd()
     trainer = Trainer(model=model, args=training, train_dataset=Tokens(4096), callbacks=[callback, step_end])
     accelerator = trainer.accelerator
     own = (trainer.training_step, accelerator.clip_grad_norm_)
-    instrument(trainer)
+    if not args.empty_callback:
+        instrument(trainer)
     wrapped = (trainer.training_step, accelerator.clip_grad_norm_)
     handler = trainer.callback_handler
     with_rankscope = list(handler.callbacks)
@@ -234,7 +243,7 @@ def hf_worker(args, monitor) -> Alternation:
     def switch(on: bool) -> None:
         handler.callbacks = with_rankscope if on else bare
         trainer.training_step, accelerator.clip_grad_norm_ = wrapped if on else own
-        for handle in callback._hooks:
+        for handle in getattr(callback, "_hooks", ()):
             hooks = handle.hooks_dict_ref()
             if on:
                 hooks[handle.id] = taken_out.pop(handle.id)
@@ -368,6 +377,8 @@ def launch_one(args: argparse.Namespace, framework: str) -> dict:
            str(Path(__file__).resolve()), "--worker", "--framework", framework, "--out", str(tmp),
            "--port", str(port), "--steps", str(steps), "--warmup", str(warmup),
            "--hidden", str(args.hidden), "--batch", str(args.batch),
+           "--hf-width", str(args.hf_width), "--hf-layers", str(args.hf_layers),
+           *(["--empty-callback"] if args.empty_callback else []),
            "--ranks", str(ranks)]
     scraper = Scraper(port)
     scraper.start()
