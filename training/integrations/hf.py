@@ -10,9 +10,9 @@ The callback runs on every rank (the Trainer calls callbacks on all of them)
 and drives the rank's ``Monitor`` from the Trainer's events:
 
     (gap: log / evaluate / save, then the batches are fetched)   -> outside the step, then ``data``
-    on_step_begin ... forward hook ... on_substep_end ...        -> ``forward`` / ``backward`` per micro-batch
+    on_step_begin                                                -> the step begins; the learning rate it uses
+    ... forward hook ... on_substep_end ...                      -> ``forward`` / ``backward`` per micro-batch
     end of the last training_step (instrument) or on_pre_optimizer_step -> ``optimizer`` (clipping, step, scheduler)
-    on_optimizer_step                                            -> the learning rate this step used
     on_step_end                                                  -> the step ends (one per optimizer step)
     on_save                                                      -> a checkpoint save, and how long it took
 
@@ -20,8 +20,10 @@ The Trainer's logged ``loss`` is the mean over ranks (and skips NaN with
 ``logging_nan_inf_filter``), and callbacks are never handed the Trainer, its
 per-micro-batch loss or its gradient norm. ``instrument(trainer)`` wraps two
 methods of that one Trainer object (not its class): ``training_step``, whose
-return value is this rank's own loss for the micro-batch and whose first
-argument is the DDP-wrapped model (``monitor.watch()`` it on the first call),
+return value is this rank's own loss for the micro-batch, whose first
+argument is the DDP-wrapped model (``monitor.watch()`` it on the first call)
+and whose second is the micro-batch (its samples and tokens are counted there;
+without ``instrument``, a forward pre-hook on the model counts them),
 and ``accelerator.clip_grad_norm_``, whose return value is the gradient norm
 the Trainer computes on every optimizer step. Any Trainer subclass (TRL's
 trainers included) keeps its own ``training_step``: the wrapper calls it.
@@ -87,8 +89,10 @@ class RankscopeCallback(TrainerCallback):
         self._optimizer = optimizer
         self._remove_hooks()
         if model is not None:
-            self._hooks = [model.register_forward_pre_hook(self._forward_starts, with_kwargs=True),
-                           model.register_forward_hook(self._forward_ends)]
+            # instrument() counts each micro-batch in training_step: a hook less on the model's forward.
+            self._hooks = [model.register_forward_hook(self._forward_ends)]
+            if not self.instrumented:
+                self._hooks.append(model.register_forward_pre_hook(self._forward_starts, with_kwargs=True))
         self.steps.between_steps()
 
     @guarded
@@ -115,20 +119,30 @@ class RankscopeCallback(TrainerCallback):
         if self.steps is None:
             return
         # Numbered as the Trainer numbers it once done: after 40 steps, rankscope_step is 40.
-        self.steps.begin(state.global_step + 1)
-        self.steps.switch("forward")
+        steps = self.steps
+        steps.begin(state.global_step + 1)
+        # The scheduler moved on at the end of the last step: this is the rate this step uses.
+        steps.lr = first_lr(self._optimizer)
+        steps.switch("forward")
 
     @guarded
     def _forward_starts(self, module, args, kwargs):
-        steps = self.steps
-        if steps is not None and steps.open and module.training:
-            ids = kwargs.get("input_ids")
-            if ids is None:
-                ids = args[0] if args else next(iter(kwargs.values()), None)
-            shape = getattr(ids, "shape", None)
-            if shape:
-                steps.step.count(samples=int(shape[0]), tokens=ids.numel() if ids.dim() >= 2 else 0)
+        if module.training:
+            self._count(kwargs.get("input_ids") if "input_ids" in kwargs
+                        else args[0] if args else next(iter(kwargs.values()), None))
         return None
+
+    @guarded
+    def _micro_batch_starts(self, inputs: Any) -> None:
+        if isinstance(inputs, dict):
+            self._count(inputs["input_ids"] if "input_ids" in inputs else next(iter(inputs.values()), None))
+
+    def _count(self, ids: Any) -> None:
+        """A micro-batch's samples and tokens, from its input ids (or its first input)."""
+        steps = self.steps
+        shape = getattr(ids, "shape", None)
+        if shape and steps is not None and steps.step is not None:
+            steps.step.count(samples=int(shape[0]), tokens=ids.numel() if len(shape) >= 2 else 0)
 
     @guarded
     def _forward_ends(self, module, args, output):
@@ -165,12 +179,6 @@ class RankscopeCallback(TrainerCallback):
             steps.switch("optimizer")
 
     @guarded
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        # After optimizer.step(), before the scheduler moves on: the rate this step used.
-        if self.steps is not None and self.steps.open:
-            self.steps.lr = first_lr(self._optimizer)
-
-    @guarded
     def on_step_end(self, args, state, control, **kwargs):
         if self.steps is not None:
             self.steps.end()
@@ -205,8 +213,8 @@ def instrument(trainer: Any) -> Any:
     """Give the Trainer's ``RankscopeCallback`` what callbacks are not handed; returns ``trainer``.
 
     Wraps, on this Trainer object only, ``training_step`` (this rank's own loss
-    per micro-batch, the end of its backward, the DDP model to time, an
-    exception inside the step) and ``accelerator.clip_grad_norm_`` (the
+    per micro-batch, its samples and tokens, the end of its backward, the DDP
+    model to time, an exception inside the step) and ``accelerator.clip_grad_norm_`` (the
     gradient norm the Trainer computes). Adds a ``RankscopeCallback`` if the
     Trainer has none. Call it once, before ``trainer.train()``.
     """
@@ -224,6 +232,7 @@ def instrument(trainer: Any) -> Any:
             # The first step of a train() call; each call may wrap the model anew.
             callback._watched = model
             callback.monitor.watch(model)   # DDP: all-reduces timed; any model: its CUDA device learnt
+        callback._micro_batch_starts(args[0] if args else kwargs.get("inputs"))
         try:
             loss = training_step(model, *args, **kwargs)
         except BaseException as exc:
