@@ -1,7 +1,7 @@
 """tests/benchmarks/adapters.py and adapter_hooks.py run end to end with tiny parameters (smoke runs,
-as tests/integration/test_benchmarks_smoke.py does for the other benchmarks): both frameworks' 2-rank
-jobs, the table, and a final JSON line with the paired figures per rank; each hook's time. No timing is
-asserted."""
+as tests/integration/test_benchmarks_smoke.py does for the other benchmarks): each framework's 2-rank
+job (torchtitan's where .venv-torchtitan is, as in CI), the table, and a final JSON line with the paired
+figures per rank; each hook's time. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_adapters_benchmark_quick():
-    """Lightning and HF (torchtitan's run takes a minute even when short: 3.5 s steps on this machine)."""
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}   # an earlier test's
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "benchmarks" / "adapters.py"), "--quick",
                            "--framework", "lightning", "hf", "--hidden", "64"], cwd=REPO, env=env,
@@ -34,6 +35,23 @@ def test_adapters_benchmark_quick():
             for figure in ("wall", "cpu"):
                 assert f[figure]["ci_frac"][0] <= f[figure]["frac"] <= f[figure]["ci_frac"][1]
             assert 0 <= f["background_core_frac"] < 1
+
+
+@pytest.mark.skipif(not (REPO / ".venv-torchtitan" / "bin" / "python").exists()
+                    and not os.environ.get("RANKSCOPE_REQUIRE_TORCHTITAN"),
+                    reason=".venv-torchtitan is missing: tests/run.sh makes it (tests/scripts/torchtitan_venv.sh)")
+def test_adapters_benchmark_torchtitan_quick():
+    """torchtitan's job (tests/loops/torchtitan_job.py) with the Trainer's wrappers switched step by step."""
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "benchmarks" / "adapters.py"), "--quick",
+                           "--framework", "torchtitan"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])["frameworks"]["torchtitan"]
+    for rank in ("0", "1"):
+        f = result["ranks"][rank]
+        assert f["quads"] == 2 and f["bare_step_ms"] > 0   # steps 4-11 after a warm-up of 4
+        assert f["wall"]["ci_frac"][0] <= f["wall"]["frac"] <= f["wall"]["ci_frac"][1]
 
 
 def test_adapter_hooks_benchmark_quick():

@@ -187,3 +187,24 @@ def test_the_integrations_subpackage_is_in_the_wheel():
     setuptools = pyproject["tool"]["setuptools"]
     assert "rankscope.integrations" in setuptools["packages"]
     assert set(pyproject["project"]["optional-dependencies"]) >= {"hf", "lightning"}
+
+
+def test_hf_instrumented_training_step_counts_every_kind_of_micro_batch(monitor):
+    """instrument()'s training_step counts each micro-batch as the Trainer hands it over: a dict, a
+    BatchEncoding (a Mapping, not a dict: what tokenizers and their collators return) or a custom
+    collator's tuple."""
+    transformers = pytest.importorskip("transformers")
+    from rankscope.integrations.hf import RankscopeCallback
+
+    callback = RankscopeCallback(monitor=monitor)
+    callback.steps = EventSteps(monitor)
+    callback.steps.begin(1)
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    callback._micro_batch_starts({"input_ids": ids, "labels": ids})
+    callback._micro_batch_starts(transformers.BatchEncoding({"input_ids": ids}))
+    callback._micro_batch_starts((torch.zeros(2, 8), torch.zeros(2)))
+    callback.steps.end()
+    got = published(monitor)
+    assert got[("rankscope_samples_total",)] == 4 + 4 + 2
+    assert got[("rankscope_tokens_total",)] == 64 + 64 + 16
+    assert got.get(("rankscope_telemetry_errors_total", "step"), 0) == 0

@@ -31,6 +31,7 @@ trainers included) keeps its own ``training_step``: the wrapper calls it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 try:
@@ -134,8 +135,12 @@ class RankscopeCallback(TrainerCallback):
 
     @guarded
     def _micro_batch_starts(self, inputs: Any) -> None:
-        if isinstance(inputs, dict):
+        """The micro-batch ``training_step`` is given: a mapping (a dict, a ``BatchEncoding``) the
+        model is called with, or a custom collator's sequence."""
+        if isinstance(inputs, Mapping):
             self._count(inputs["input_ids"] if "input_ids" in inputs else next(iter(inputs.values()), None))
+        elif isinstance(inputs, (list, tuple)) and inputs:
+            self._count(inputs[0])
 
     def _count(self, ids: Any) -> None:
         """A micro-batch's samples and tokens, from its input ids (or its first input)."""
