@@ -8,9 +8,10 @@ A 2-rank torchrun job (gloo, 127.0.0.1) per framework, one training run each.
 A framework runs its own loop, so the caller cannot put rankscope around some
 of its steps and not others as overhead.py does. Instead the adapter is
 switched in and out between steps of the one run, in quads of steps: bare,
-rankscope, rankscope, bare (ABBA), so that a drift inside a quad cancels, and
-both variants' steps run in the same warm process, on the same model, data
-loader and process group. Switching changes exactly what adding the adapter
+rankscope, rankscope, bare (ABBA) or the reverse (BAAB), drawn per quad, so
+that a drift inside a quad cancels, work the framework does every N steps
+falls on both kinds of step alike, and both variants' steps run in the same
+warm process, on the same model, data loader and process group. Switching changes exactly what adding the adapter
 changes:
 
 * Lightning: ``RankscopeCallback`` is in ``trainer.callbacks`` or not (so
@@ -29,7 +30,7 @@ the step), so it falls once in a bare and once in a rankscope step of a quad.
 A step's time is from the end of one step to the end of the next, the data
 fetch included.
 
-Per quad, with step times g0..g3, the difference is (g1 + g2 - g0 - g3) / 2;
+Per quad, the difference is (its two rankscope steps' times - its two bare ones) / 2;
 their mean over the quads and its 95% interval, as a share of the bare steps'
 mean time, is the **wall-clock** figure. The same computed on the training
 thread's CPU time per step (the adapter's work, cache misses included, without
@@ -54,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -101,9 +103,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # -- rank side ---------------------------------------------------------------------------
-def quad_arm(step: int) -> bool:
-    """Whether step ``step`` (0-based) runs with rankscope: quads bare, rankscope, rankscope, bare."""
-    return step % 4 in (1, 2)
+# A quad's steps, with rankscope (True) or bare: ABBA or BAAB, drawn per quad from a seeded generator
+# (the same on every rank), so that a framework's work every N steps (a log, a garbage collection)
+# falls on both kinds of step alike instead of always on one position of the quad.
+QUAD_ORDERS = ((False, True, True, False), (True, False, False, True))
+QUAD_SEED = 0
 
 
 class Alternation:
@@ -111,13 +115,15 @@ class Alternation:
 
     ``switch(on)`` puts the adapter in place (True) or takes it out; the run starts
     with it in place (the adapter's set-up hooks must see it), so step 0 is a
-    rankscope step whatever ``quad_arm`` says; it is warm-up. The background threads'
+    rankscope step whatever its quad's order says; it is warm-up. The background threads'
     CPU is read at the warm-up's end and at the last step's (the monitor may close
     before the run returns)."""
 
     def __init__(self, switch: Callable[[bool], None], warmup: int, steps: int):
         self.switch = switch
         self.warmup, self.steps = warmup, steps
+        self.orders = random.Random(QUAD_SEED)
+        self.quad = QUAD_ORDERS[0]
         self.on = True
         self.wall: list[float] = []    # perf_counter at each step's end
         self.cpu: list[float] = []     # the training thread's CPU seconds at each step's end
@@ -130,7 +136,10 @@ class Alternation:
         self.arms.append(self.on)
         if len(self.wall) in (self.warmup, self.steps):
             self.background_cpu[len(self.wall) == self.steps] = monitor_threads_cpu()
-        on = quad_arm(len(self.wall))
+        step = len(self.wall)   # the next step's index
+        if step % 4 == 0:
+            self.quad = self.orders.choice(QUAD_ORDERS)
+        on = self.quad[step % 4]
         if on != self.on:
             self.switch(on)
             self.on = on
@@ -305,10 +314,11 @@ def torchtitan_worker(args) -> Alternation:
     Trainer.train = alternating_train
     sys.argv[1:] = ["--module", "torchtitan_job", "--config", "rankscope_cpu_debug",
                     "--dump_folder", str(args.out / "dump"), "--parallelism.spmd_backend", "partial_dtensor",
-                    "--training.steps", str(args.steps), "--debug.seed", "0", "--metrics.log_freq", "100",
-                    # torchtitan collects garbage every 50 steps by default: a pause of 100 ms or more in one
-                    # step of a quad, bare or not, that only widens the interval
-                    "--training.gc_freq", str(10 ** 6)]
+                    "--training.steps", str(args.steps), "--debug.seed", "0",
+                    # torchtitan logs its metrics (a loss all-reduce, a print) and collects garbage every few
+                    # steps: pauses of 100 ms or more in single steps of quads, bare or not, that only widen
+                    # the interval
+                    "--metrics.log_freq", str(10 ** 6), "--training.gc_freq", str(10 ** 6)]
     torchtitan.train.main()
     return box[0]
 
@@ -416,14 +426,16 @@ def launch_one(args: argparse.Namespace, framework: str) -> dict:
 
 
 def quads(stamps: list[float], arms: list[bool], warmup: int) -> tuple[list[float], list[float]]:
-    """Per quad after the warm-up, (g1 + g2 - g0 - g3) / 2 of its step times; and the bare steps' times."""
+    """Per quad after the warm-up, (its two rankscope steps' times - its two bare steps') / 2; and the
+    bare steps' times."""
     diffs, bare = [], []
     first = max(4, -(-warmup // 4) * 4)
     for q in range(first, len(stamps) - 3, 4):
         g = [stamps[q + i] - stamps[q + i - 1] for i in range(4)]
-        assert [arms[q + i] for i in range(4)] == [quad_arm(i) for i in range(4)], "steps out of their quads"
-        diffs.append((g[1] + g[2] - g[0] - g[3]) / 2)
-        bare += [g[0], g[3]]
+        on = tuple(arms[q:q + 4])
+        assert on in QUAD_ORDERS, f"steps {q}-{q + 3} out of their quad: {on}"
+        diffs.append(sum(t if a else -t for t, a in zip(g, on)) / 2)
+        bare += [t for t, a in zip(g, on) if not a]
     return diffs, bare
 
 
@@ -471,7 +483,7 @@ def main(argv=None) -> int:
         figures["frameworks"][framework] = {"steps": result["steps"], "warmup": result["warmup"], "ranks": per_rank,
                                             "scrapes_ok": result["scrapes_ok"], "wall_s": result["wall_s"]}
     print(f"rankscope framework adapters: {args.ranks} rank(s) (gloo, 127.0.0.1; torchtitan 2), one run per "
-          "framework, the adapter switched in and out between steps in quads (bare, rankscope, rankscope, bare)")
+          "framework, the adapter switched in and out between steps in quads (ABBA or BAAB)")
     print(table(["framework", "rank", "quads", "bare step ms", "wall diff us", "wall: rankscope / bare - 1 [95% CI]",
                  "training thread CPU diff us [95% CI]", "monitor threads CPU, share of a core"], rows))
     worst = max((f["wall"]["ci_frac"][1] for fw in figures["frameworks"].values() for f in fw["ranks"].values()),
