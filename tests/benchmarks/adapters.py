@@ -11,43 +11,44 @@ switched in and out between steps of the one run, in quads of steps: bare,
 rankscope, rankscope, bare (ABBA) or the reverse (BAAB), drawn per quad, so
 that a drift inside a quad cancels, work the framework does every N steps
 falls on both kinds of step alike, and both variants' steps run in the same
-warm process, on the same model, data loader and process group. Switching changes exactly what adding the adapter
-changes:
+warm process, on the same model, data loader and process group. Switching
+changes exactly what adding the adapter changes:
 
 * Lightning: ``RankscopeCallback`` is in ``trainer.callbacks`` or not (so
   Lightning's own dispatch to a callback is counted);
 * HF: the same for the Trainer's callback list, and ``instrument(trainer)``'s
-  ``training_step`` and ``clip_grad_norm_`` and the callback's two forward hooks
+  ``training_step`` and ``clip_grad_norm_`` and the callback's forward hook
   on the model are in place or not;
 * torchtitan: the Trainer object's methods are ``instrument(trainer)``'s wrappers
   or its own (and the batch generator and the clipping function alike). The job
   is tests/loops/torchtitan_job.py's (the llama3 debug model, FSDP over both
-  ranks, float32, with that script's four CPU patches; no periodic garbage
-  collection), in ``.venv-torchtitan``.
+  ranks, float32, with that script's four CPU patches; no periodic metrics log
+  or garbage collection), in ``.venv-torchtitan``.
 
 The switch happens at each step's last event (after rankscope's own work for
 the step), so it falls once in a bare and once in a rankscope step of a quad.
 A step's time is from the end of one step to the end of the next, the data
 fetch included.
 
-Per quad, the difference is (its two rankscope steps' times - its two bare ones) / 2;
-their mean over the quads and its 95% interval, as a share of the bare steps'
-mean time, is the **wall-clock** figure. The same computed on the training
-thread's CPU time per step (the adapter's work, cache misses included, without
-preemptions and without waits for the other rank) gives the **CPU** figure, to
-which the monitor's background threads' CPU (publisher, process-group reader)
-is added whole, as if each rankscope step had caused all of it: they run
-through bare steps too, and on one core with the GIL their work could delay
-training. That sum is an upper bound on the slowdown that does not depend on
-the wall clock's noise.
+Per quad, the difference is (its two rankscope steps' times - its two bare
+ones) / 2; their mean over the quads and its 95% interval, as a share of the
+bare steps' mean time, is the **wall-clock** figure. The same computed on the
+training thread's CPU time gives the adapter's work per step (cache misses
+included), without preemptions and without waits for the other rank. The
+monitor's background threads (publisher, process-group reader) run through
+both kinds of step, so the pairs do not see them: their CPU is reported
+beside, as a share of one core over the measured steps (as overhead.py does).
+``--ranks 1``: one process, no DDP, no second rank on the same cores.
+``--empty-callback``: a callback that does nothing, switched the same way.
 
 One Monitor is open for the whole job with its defaults (metrics on, the node
 exporter auto-started, tracing off unless OTEL_* says otherwise; DDP timing by
 the CPU default, DDP's own timers); a thread here scrapes /metrics every second.
 
-Models: Lightning, a 3-layer 256-wide MLP at batch 16 (a step of a few ms: a
-worst case for a per-step fixed cost); HF, a 2-layer GPT-2 (64 hidden) from its
-config, 4 x 32 tokens per micro-batch, gradient accumulation 2 (HF_HUB_OFFLINE=1).
+Models: Lightning, overhead.py's 3 x 1024 MLP at batch 64 (``--hidden 256
+--batch 16``: a 6 ms step, the worst case for a per-step cost); HF, a GPT-2 of
+128 x 2 layers from its config, 4 x 32 tokens a micro-batch, gradient
+accumulation 2 (HF_HUB_OFFLINE=1); torchtitan, the job above.
 """
 
 from __future__ import annotations
@@ -267,8 +268,10 @@ def hf_worker(args, monitor) -> Alternation:
 
 def torchtitan_worker(args) -> Alternation:
     """torchtitan's own ``main`` on the test job's config; the Trainer instrumented, then alternated."""
+    import importlib
+
     sys.path.insert(0, str(REPO / "tests" / "loops"))
-    import torchtitan_job  # noqa: F401  (its CPU patches, at import)
+    importlib.import_module("torchtitan_job")   # its CPU patches, made at import
     import torchtitan.distributed.utils as titan_dist
     import torchtitan.train
     from torchtitan.trainer import Trainer
