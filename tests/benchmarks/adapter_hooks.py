@@ -77,7 +77,8 @@ def main(argv=None) -> int:
         setattr(Timed, name, timed)
 
     torch.set_num_threads(1)
-    monitor = Monitor(metrics_dir=tempfile.mkdtemp(prefix="adapter-hooks-"), run="adapter-hooks")
+    metrics_dir = tempfile.TemporaryDirectory(prefix="adapter-hooks-")
+    monitor = Monitor(metrics_dir=metrics_dir.name, run="adapter-hooks")
     x = torch.randn(16 * args.steps, 32, generator=torch.Generator().manual_seed(0))
     trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, callbacks=[Timed(monitor=monitor)],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -86,6 +87,7 @@ def main(argv=None) -> int:
     trainer.fit(Module(), DataLoader(TensorDataset(x, x[:, :1] * 2), batch_size=16))
     wall = time.perf_counter() - t0
     monitor.close()
+    metrics_dir.cleanup()
     per_step = {k: v / args.steps * 1e6 for k, v in spent.items()}
     total = sum(per_step.values())
     step_us = wall / args.steps * 1e6

@@ -234,7 +234,7 @@ def hf_worker(args, monitor) -> Alternation:
     model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=args.hf_width,
                                        n_layer=args.hf_layers, n_head=2))
     training = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="adapters-hf-"), max_steps=args.steps, per_device_train_batch_size=batch,
+        output_dir=str(args.out / "hf-output"), max_steps=args.steps, per_device_train_batch_size=batch,
         gradient_accumulation_steps=accumulate, learning_rate=1e-4, logging_steps=10 ** 9, save_strategy="no",
         report_to="none", use_cpu=True, ddp_backend="gloo", dataloader_num_workers=0, seed=0, disable_tqdm=True)
     callback = TrainerCallback() if args.empty_callback else RankscopeCallback(monitor=monitor)
