@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -92,7 +91,8 @@ def main() -> int:
     args = p.parse_args()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2))
-    out_dir = tempfile.mkdtemp(prefix="hf-trainer-")
+    out = Path(os.environ["LOOP_OUT"])   # the test's own directory: the checkpoints go with it
+    out_dir = str(out / "trainer-output")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     training = TrainingArguments(
         output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=BATCH,
@@ -107,7 +107,6 @@ def main() -> int:
     result = trainer.train()
     rank = trainer.args.process_index
     params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    out = Path(os.environ["LOOP_OUT"])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "global_step": trainer.state.global_step, "train_runtime": result.metrics["train_runtime"],
