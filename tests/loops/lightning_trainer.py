@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -152,15 +151,15 @@ def main() -> int:
         val = TensorDataset(x[:VAL_BATCHES * BATCH], data.tensors[1][:VAL_BATCHES * BATCH])
         val_loader = DataLoader(val, batch_size=BATCH)
         validation = dict(val_check_interval=args.val_every, check_val_every_n_epoch=None)
+    out = Path(os.environ["LOOP_OUT"])   # the test's own directory: the Trainer's files go with it
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps, max_epochs=1,
                          callbacks=callbacks, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0,
                          enable_checkpointing=bool(args.checkpoint_every), plugins=[checkpoint_io],
-                         default_root_dir=tempfile.mkdtemp(prefix="lightning-trainer-"), **validation)
+                         default_root_dir=str(out / f"trainer-output-{os.environ.get('RANK', '0')}"), **validation)
     trainer.fit(module, loader, val_dataloaders=val_loader)
     rank = trainer.global_rank
     params = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-    out = Path(os.environ["LOOP_OUT"])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "global_step": trainer.global_step, "train_time": timer.time_elapsed("train"),
