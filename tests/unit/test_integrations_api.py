@@ -192,7 +192,7 @@ def test_the_integrations_subpackage_is_in_the_wheel():
 def test_hf_instrumented_training_step_counts_every_kind_of_micro_batch(monitor):
     """instrument()'s training_step counts each micro-batch as the Trainer hands it over: a dict, a
     BatchEncoding (a Mapping, not a dict: what tokenizers and their collators return) or a custom
-    collator's tuple."""
+    collator's tuple; without instrument(), the forward pre-hook counts what the model is given."""
     transformers = pytest.importorskip("transformers")
     from rankscope.integrations.hf import RankscopeCallback
 
@@ -203,8 +203,12 @@ def test_hf_instrumented_training_step_counts_every_kind_of_micro_batch(monitor)
     callback._micro_batch_starts({"input_ids": ids, "labels": ids})
     callback._micro_batch_starts(transformers.BatchEncoding({"input_ids": ids}))
     callback._micro_batch_starts((torch.zeros(2, 8), torch.zeros(2)))
+    # Without instrument(), the forward pre-hook: keyword input ids, or the first positional input
+    model = torch.nn.Linear(1, 1)
+    callback._forward_starts(model, (), {"input_ids": ids, "labels": ids})
+    callback._forward_starts(model, (torch.zeros(3, 5),), {"labels": ids})
     callback.steps.end()
     got = published(monitor)
-    assert got[("rankscope_samples_total",)] == 4 + 4 + 2
-    assert got[("rankscope_tokens_total",)] == 64 + 64 + 16
+    assert got[("rankscope_samples_total",)] == 4 + 4 + 2 + 4 + 3
+    assert got[("rankscope_tokens_total",)] == 64 + 64 + 16 + 64 + 15
     assert got.get(("rankscope_telemetry_errors_total", "step"), 0) == 0

@@ -129,24 +129,28 @@ class RankscopeCallback(TrainerCallback):
     @guarded
     def _forward_starts(self, module, args, kwargs):
         if module.training:
-            self._count(kwargs.get("input_ids") if "input_ids" in kwargs
-                        else args[0] if args else next(iter(kwargs.values()), None))
+            self._count(kwargs if "input_ids" in kwargs or not args else args)
         return None
 
     @guarded
     def _micro_batch_starts(self, inputs: Any) -> None:
-        """The micro-batch ``training_step`` is given: a mapping (a dict, a ``BatchEncoding``) the
-        model is called with, or a custom collator's sequence."""
-        if isinstance(inputs, Mapping):
-            self._count(inputs["input_ids"] if "input_ids" in inputs else next(iter(inputs.values()), None))
-        elif isinstance(inputs, (list, tuple)) and inputs:
-            self._count(inputs[0])
+        self._count(inputs)
 
-    def _count(self, ids: Any) -> None:
-        """A micro-batch's samples and tokens, from its input ids (or its first input)."""
+    def _count(self, inputs: Any) -> None:
+        """A micro-batch's samples and tokens, from its input ids (or its first input): a mapping
+        (a dict, a ``BatchEncoding``), a sequence (a forward's positional arguments, a custom
+        collator's tuple) or the tensor itself."""
         steps = self.steps
+        if steps is None or steps.step is None:
+            return
+        if isinstance(inputs, Mapping):
+            ids = inputs["input_ids"] if "input_ids" in inputs else next(iter(inputs.values()), None)
+        elif isinstance(inputs, (list, tuple)):
+            ids = inputs[0] if inputs else None
+        else:
+            ids = inputs
         shape = getattr(ids, "shape", None)
-        if shape and steps is not None and steps.step is not None:
+        if shape:
             steps.step.count(samples=int(shape[0]), tokens=ids.numel() if len(shape) >= 2 else 0)
 
     @guarded
