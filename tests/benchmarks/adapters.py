@@ -23,7 +23,11 @@ changes exactly what adding the adapter changes:
   or its own (and the batch generator and the clipping function alike). The job
   is tests/loops/torchtitan_job.py's (the llama3 debug model, FSDP over both
   ranks, float32, with that script's four CPU patches; no periodic metrics log
-  or garbage collection), in ``.venv-torchtitan``.
+  or garbage collection), in ``.venv-torchtitan``, with two changes that steady
+  its step and leave the adapter's work as it is: the model keeps its first
+  transformer block (``--titan-layers``), and the loader's first 64 batches are
+  fetched once and then cycled (``--titan-batches``: its dataset tokenises and
+  packs documents inside each fetch).
 
 The switch happens at each step's last event (after rankscope's own work for
 the step), so it falls once in a bare and once in a rankscope step of a quad.
@@ -48,12 +52,14 @@ the CPU default, DDP's own timers); a thread here scrapes /metrics every second.
 Models: Lightning, overhead.py's 3 x 1024 MLP at batch 64 (``--hidden 256
 --batch 16``: a 6 ms step, the worst case for a per-step cost); HF, a GPT-2 of
 128 x 2 layers from its config, 4 x 32 tokens a micro-batch, gradient
-accumulation 2 (HF_HUB_OFFLINE=1); torchtitan, the job above.
+accumulation 2 (HF_HUB_OFFLINE=1); torchtitan, the job above (a 0.18 s step
+here; with all 6 blocks and its own loader, 0.46 s varying by 10% a step).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -72,7 +78,7 @@ from common import (REPO, emit_json, kill_noted_ranks, loadavg, machine, mean_ci
                     table, threads_cpu_seconds)
 
 FRAMEWORKS = ("lightning", "hf", "torchtitan")
-DEFAULT_STEPS = {"lightning": 8000, "hf": 8000, "torchtitan": 1000}   # torchtitan: ~0.4 s a step here
+DEFAULT_STEPS = {"lightning": 8000, "hf": 8000, "torchtitan": 8000}   # torchtitan: ~0.18 s a step here
 DEFAULT_WARMUP = {"lightning": 200, "hf": 100, "torchtitan": 20}
 QUICK_STEPS = {"lightning": 24, "hf": 24, "torchtitan": 12}   # --quick, after a warm-up of 4 steps
 TITAN_VENV = REPO / ".venv-torchtitan"
@@ -93,6 +99,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64, help="Lightning: the batch size")
     p.add_argument("--hf-width", type=int, default=128, help="HF: GPT-2's n_embd")
     p.add_argument("--hf-layers", type=int, default=2, help="HF: GPT-2's n_layer")
+    p.add_argument("--titan-batches", type=int, default=64,
+                   help="torchtitan: its loader's first N batches, cycled (0: its loader as is, tokenising and "
+                        "packing documents inside each fetch, a step of varying length)")
+    p.add_argument("--titan-layers", type=int, default=1,
+                   help="torchtitan: the debug model's first N transformer blocks (of 6; the adapter's work does "
+                        "not grow with them, the step's time and its spread do)")
     p.add_argument("--empty-callback", action="store_true",
                    help="Lightning and HF: switch a callback that does nothing instead of rankscope's (what the "
                         "framework's own dispatch to one more callback costs)")
@@ -271,7 +283,15 @@ def torchtitan_worker(args) -> Alternation:
     import importlib
 
     sys.path.insert(0, str(REPO / "tests" / "loops"))
-    importlib.import_module("torchtitan_job")   # its CPU patches, made at import
+    job = importlib.import_module("torchtitan_job")   # its CPU patches, made at import
+
+    def bench_config():
+        """The test job's config, its model cut to the first ``--titan-layers`` transformer blocks."""
+        config = job.rankscope_cpu_debug()
+        config.model_spec.model.layers = config.model_spec.model.layers[:args.titan_layers]
+        return config
+
+    job.rankscope_cpu_bench = bench_config
     import torchtitan.distributed.utils as titan_dist
     import torchtitan.train
     from torchtitan.trainer import Trainer
@@ -303,6 +323,8 @@ def torchtitan_worker(args) -> Alternation:
             return result
 
         def batch_generator(data_iterable):
+            if args.titan_batches:   # tokenised once, then cycled: a data fetch of the same cost every step
+                data_iterable = itertools.cycle(list(itertools.islice(data_iterable, args.titan_batches)))
             bare = own_batches(data_iterable)
             counted = steps._batch_generator(lambda _: bare)(None)   # the adapter's, over the same batches
             while True:
@@ -315,7 +337,7 @@ def torchtitan_worker(args) -> Alternation:
         return train(trainer)
 
     Trainer.train = alternating_train
-    sys.argv[1:] = ["--module", "torchtitan_job", "--config", "rankscope_cpu_debug",
+    sys.argv[1:] = ["--module", "torchtitan_job", "--config", "rankscope_cpu_bench",
                     "--dump_folder", str(args.out / "dump"), "--parallelism.spmd_backend", "partial_dtensor",
                     "--training.steps", str(args.steps), "--debug.seed", "0",
                     # torchtitan logs its metrics (a loss all-reduce, a print) and collects garbage every few
@@ -395,6 +417,7 @@ def launch_one(args: argparse.Namespace, framework: str) -> dict:
            "--port", str(port), "--steps", str(steps), "--warmup", str(warmup),
            "--hidden", str(args.hidden), "--batch", str(args.batch),
            "--hf-width", str(args.hf_width), "--hf-layers", str(args.hf_layers),
+           "--titan-batches", str(args.titan_batches), "--titan-layers", str(args.titan_layers),
            *(["--empty-callback"] if args.empty_callback else []),
            "--ranks", str(ranks)]
     scraper = Scraper(port)
