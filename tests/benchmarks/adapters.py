@@ -52,8 +52,8 @@ the CPU default, DDP's own timers); a thread here scrapes /metrics every second.
 Models: Lightning, overhead.py's 3 x 1024 MLP at batch 64 (``--hidden 256
 --batch 16``: a 6 ms step, the worst case for a per-step cost); HF, a GPT-2 of
 128 x 2 layers from its config, 4 x 32 tokens a micro-batch, gradient
-accumulation 2 (HF_HUB_OFFLINE=1); torchtitan, the job above (a 0.18 s step
-here; with all 6 blocks and its own loader, 0.46 s varying by 10% a step).
+accumulation 2 (HF_HUB_OFFLINE=1); torchtitan, the job above (a 0.15-0.18 s
+step here; with all 6 blocks and its own loader, 0.46 s varying by 10% a step).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ from common import (REPO, emit_json, kill_noted_ranks, loadavg, machine, mean_ci
                     table, threads_cpu_seconds)
 
 FRAMEWORKS = ("lightning", "hf", "torchtitan")
-DEFAULT_STEPS = {"lightning": 8000, "hf": 8000, "torchtitan": 8000}   # torchtitan: ~0.18 s a step here
+DEFAULT_STEPS = {"lightning": 8000, "hf": 8000, "torchtitan": 8000}   # torchtitan: 0.15-0.18 s a step here
 DEFAULT_WARMUP = {"lightning": 200, "hf": 100, "torchtitan": 20}
 QUICK_STEPS = {"lightning": 24, "hf": 24, "torchtitan": 12}   # --quick, after a warm-up of 4 steps
 TITAN_VENV = REPO / ".venv-torchtitan"
@@ -112,7 +112,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 1 <= args.titan_layers <= 6 or args.titan_batches < 0:
+        p.error("--titan-layers takes 1 to 6 (the debug model's blocks), --titan-batches 0 or more")
+    return args
 
 
 # -- rank side ---------------------------------------------------------------------------
