@@ -66,7 +66,11 @@ SQL_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 # The sink's own HTTP settings for MLflow (rank 0 only; a value the user set wins): fail within seconds,
 # not after MLflow's default 7 retries with exponential back-off over minutes.
 MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1"}
-QUEUE_RECORDS = 8          # records a backend may have waiting; more are dropped and counted
+# How far a backend may fall behind before records are dropped (and counted): two minutes of records,
+# at least 8. MLflow's import and a new sqlite store's schema take ~2.5 s of CPU on the writer thread,
+# over 8 s on a node whose cores the ranks keep busy: at a 1 s interval, 8 records were too few.
+QUEUE_SECONDS = 120.0
+QUEUE_RECORDS = 8
 MLFLOW_PENDING = 4         # asynchronous MLflow batches in flight; the writer waits for the oldest beyond
 SCRAPE_TIMEOUT_S = 5.0
 WANTED = frozenset({
@@ -547,10 +551,10 @@ class MlflowBackend(Backend):
 class _Writer:
     """One backend's thread and bounded queue."""
 
-    def __init__(self, backend: Backend, drop: Callable[..., None]):
+    def __init__(self, backend: Backend, drop: Callable[..., None], records: int = QUEUE_RECORDS):
         self.backend = backend
         self.drop = drop
-        self.queue: queue.Queue[Record] = queue.Queue(maxsize=QUEUE_RECORDS)
+        self.queue: queue.Queue[Record] = queue.Queue(maxsize=records)
         self.closing = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"rankscope-sink-{backend.name}", daemon=True)
         self.opened = False
@@ -559,7 +563,7 @@ class _Writer:
         try:
             self.queue.put_nowait(record)
         except queue.Full:
-            self.drop("sink", f"the {self.backend.name} writer is {QUEUE_RECORDS} records behind")
+            self.drop("sink", f"the {self.backend.name} writer is {self.queue.maxsize} records behind")
 
     def _run(self) -> None:
         while True:
@@ -600,7 +604,8 @@ class Sink:
         self.run = run
         self.interval_s = interval_s
         self.drop = drop
-        self.writers = [_Writer(b, drop) for b in backends]
+        records = max(QUEUE_RECORDS, math.ceil(QUEUE_SECONDS / interval_s))
+        self.writers = [_Writer(b, drop, records) for b in backends]
         self.summarizer = Summarizer()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rankscope-sink", daemon=True)
