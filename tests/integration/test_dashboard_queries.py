@@ -6,7 +6,10 @@ label-values look-ups), substitutes them and Grafana's built-ins into every
 panel query, and runs each one (range queries over the jobs' lifetime with a
 1 s step, instant queries at the end) against Debian's Prometheus 2.42. That
 Prometheus scraped, every second and with the repository's recording and
-alert rules loaded, real jobs of the reference trainer:
+alert rules loaded (the shipped expressions and thresholds, every group
+evaluated every RULE_INTERVAL instead of every 15 s to 1 min: the fixture
+waits for two evaluations of every group after the faults), real jobs of
+the reference trainer:
 
 - MAIN_RUN trains, then its last rank gets a loss spike, a NaN loss and
   finally hangs before a collective (so divergence counters move, an alert
@@ -34,13 +37,14 @@ from pathlib import Path
 
 import pytest
 
+from prometheus import generate
 from rankscope.exporter.catalog import RANK_STATES
 from tests.helpers.jobs import TrainJob
 from tests.helpers.promstack import PrometheusServer
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = {p.stem: json.loads(p.read_text()) for p in sorted((ROOT / "grafana" / "dashboards").glob("*.json"))}
-RULE_FILES = sorted((ROOT / "prometheus" / "rules").glob("*.yml"))
+RULE_INTERVAL = "5s"
 
 MAIN_RUN = "dashboards-main"
 HANG_AT = 160  # step before whose collective MAIN_RUN's rank 1 hangs
@@ -213,9 +217,18 @@ def _every_group_evaluated_since(prom: PrometheusServer, t: float) -> bool:
 
 
 @pytest.fixture(scope="module")
-def runner():
+def rule_files(tmp_path_factory) -> list[Path]:
+    """The shipped rules, each group evaluated every RULE_INTERVAL."""
+    out = tmp_path_factory.mktemp("rules")
+    (out / "intervals.yaml").write_text("".join(f"{key}: {RULE_INTERVAL}\n" for key in
+                                                ("rule_interval", "warning_rule_interval", "slow_rule_interval")))
+    generate.main(["--override", str(out / "intervals.yaml"), "--out", str(out)])
+    return [out / generate.RECORDING_FILE, out / generate.ALERTS_FILE]
+
+
+@pytest.fixture(scope="module")
+def runner(rule_files):
     """Three real jobs, one Prometheus scraping them; yields once every fault is visible in Prometheus."""
-    assert RULE_FILES, "prometheus/rules/*.yml missing"
     with contextlib.ExitStack() as stack:
         # MAIN_RUN: rank 1 is slow (so steps take ~50 ms and there is time to
         # scrape), spikes its loss, produces a NaN, then hangs before a collective.
@@ -231,7 +244,7 @@ def runner():
             extra_args=["--parallelism", "pipeline", "--step-delay", "0.05", "--stage-cost", "1,1.6"]))
         start = time.time()
         prom = stack.enter_context(PrometheusServer(targets=[job_target(main), job_target(oom), job_target(pipeline)],
-                                                    rule_files=RULE_FILES,
+                                                    rule_files=rule_files,
                                                     scrape_interval=f"{SCRAPE_INTERVAL_S}s",
                                                     evaluation_interval=f"{SCRAPE_INTERVAL_S}s"))
         # Start-up can look like a hang for a moment (rank 0 waits in DDP's
