@@ -70,7 +70,7 @@ MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST
 # at least 8. MLflow's import and a new sqlite store's schema take ~2.5 s of CPU on the writer thread,
 # over 8 s on a node whose cores the ranks keep busy: at a 1 s interval, 8 records were too few.
 QUEUE_SECONDS = 120.0
-QUEUE_RECORDS = 8
+QUEUE_MIN_RECORDS = 8
 MLFLOW_PENDING = 4         # asynchronous MLflow batches in flight; the writer waits for the oldest beyond
 SCRAPE_TIMEOUT_S = 5.0
 WANTED = frozenset({
@@ -551,7 +551,7 @@ class MlflowBackend(Backend):
 class _Writer:
     """One backend's thread and bounded queue."""
 
-    def __init__(self, backend: Backend, drop: Callable[..., None], records: int = QUEUE_RECORDS):
+    def __init__(self, backend: Backend, drop: Callable[..., None], records: int = QUEUE_MIN_RECORDS):
         self.backend = backend
         self.drop = drop
         self.queue: queue.Queue[Record] = queue.Queue(maxsize=records)
@@ -604,7 +604,7 @@ class Sink:
         self.run = run
         self.interval_s = interval_s
         self.drop = drop
-        records = max(QUEUE_RECORDS, math.ceil(QUEUE_SECONDS / interval_s))
+        records = max(QUEUE_MIN_RECORDS, math.ceil(QUEUE_SECONDS / interval_s))
         self.writers = [_Writer(b, drop, records) for b in backends]
         self.summarizer = Summarizer()
         self._stop = threading.Event()

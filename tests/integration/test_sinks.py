@@ -204,11 +204,11 @@ def test_a_stuck_backend_drops_and_counts_and_never_blocks_the_caller():
     writer.thread.start()
     rec = sinks.Record(1, {T + "x": 1.0}, [], time.time())
     t0 = time.perf_counter()
-    for _ in range(sinks.QUEUE_RECORDS + 10):
+    for _ in range(sinks.QUEUE_MIN_RECORDS + 10):
         writer.offer(rec)
     offered_s = time.perf_counter() - t0
-    assert drops.n >= 10, drops.n      # one in the backend's hands, QUEUE_RECORDS waiting, the rest dropped
-    print(f"{sinks.QUEUE_RECORDS + 10} offers to a stuck backend took {offered_s * 1e6:.0f} us; {drops.n} dropped")
+    assert drops.n >= 10, drops.n      # one in the backend's hands, QUEUE_MIN_RECORDS waiting, the rest dropped
+    print(f"{sinks.QUEUE_MIN_RECORDS + 10} offers to a stuck backend took {offered_s * 1e6:.0f} us; {drops.n} dropped")
     backend.release.set()
     writer.closing.set()
     writer.thread.join(5)
