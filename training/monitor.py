@@ -51,7 +51,7 @@ from rankscope.contract.catalog import STEP_BUCKETS
 from rankscope.contract.environment import ConfigError
 from rankscope.contract.rundir import run_slug
 from rankscope.device.memory import MemorySampler
-from rankscope.device.rank_device import RankDevice, first_cuda_device
+from rankscope.device.rank_device import RankDevice
 from rankscope.errors import TelemetryErrors, UsageError
 from rankscope.flops import FlopsConfig
 from rankscope.identity import RankIdentity
@@ -134,7 +134,7 @@ class Monitor:
         self.accounting = StepAccounting(judge, self.trace_feed,
                                          TimeUse(process_start_perf(), self._progress.completed), self._progress,
                                          self.steps, self.errors)
-        self.user_metrics = UserMetrics(self.metrics, self.errors)
+        self.user_metrics = UserMetrics(self.metrics, self.errors, self.device)
         memory = MemorySampler(self.device)
         rank_info = RankInfo(self.identity, self.device, backend, self.registration, self.run_dir, self.metrics,
                              self.handoff)
@@ -181,10 +181,10 @@ class Monitor:
                 self.process_groups.roles = {**self.process_groups.roles, **layout.group_roles(model)}
         if not hasattr(model, "parameters"):
             if learnt is not None and hasattr(model, "submod"):   # a pipeline stage
-                self.device.bind(first_cuda_device(model.submod))
+                self.device.bind(self.device.first_cuda_index(model.submod))
                 return model
             raise ConfigError(f"watch(): expected a torch.nn.Module or a PipelineStage, got {type(model).__name__}")
-        self.device.bind(first_cuda_device(model))
+        self.device.bind(self.device.first_cuda_index(model))
         if not comm_timing.is_ddp(model):
             return model
         self.comm = comm_timing.choose(self.config.comm_timing, model, self.tracker,
@@ -285,7 +285,7 @@ class Monitor:
         """
         check_op(op)
         size = tensor_nbytes(tensors) if nbytes is None else nbytes
-        cuda = next((t.device for t in tensors if getattr(t, "is_cuda", False)), None)
+        cuda = self.device.device_of(list(tensors))
         if cuda is not None:
             self.device.bind(cuda)   # a Monitor() without a device learns it here at the latest
         if cuda is not None and self.device.events is not None:
@@ -400,5 +400,6 @@ def _process_group_reader(monitor: Monitor, ring: int) -> ProcessGroupReader | N
     # and the culprit must leave no dump (docs/collectives.md).
     return ProcessGroupReader(ProcessGroupMetrics(monitor.metrics), errors.drop,
                               functools.partial(errors.error, "collectives"),
-                              FlightRecorderSource(monitor.run_dir, monitor.identity.rank), cfg.max_process_groups,
+                              FlightRecorderSource(monitor.run_dir, monitor.identity.rank, device=monitor.device),
+                              cfg.max_process_groups,
                               cfg.publish_interval_s, ring=ring, timing=cfg.collective_timing)

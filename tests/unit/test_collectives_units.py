@@ -223,16 +223,33 @@ def test_durations_are_published_where_the_backend_gives_them():
 
 def test_an_nccl_duration_written_after_the_first_read_is_still_published():
     rec, reader, sink, drops, errors = make()
-    rec.collective(op="nccl:_allgather_base")          # not completed yet when first read
+    rec.collective(op="nccl:_allgather_base", retired=False)   # not completed yet when first read
     reader.poll()
     assert ("duration", "default", "all_gather") not in sink.children
-    rec.entries[-1].update(duration_ms=1.5, time_discovered_completed_ns=5)
+    rec.entries[-1].update(duration_ms=1.5, time_discovered_completed_ns=5, retired=True)
     rec.collective(op="nccl:all_reduce", duration_ms=0.5, time_discovered_completed_ns=6)
     reader.poll()
     assert sink.children[("duration", "default", "all_gather")].observed == [0.0015]
     assert sink.children[("duration", "default", "all_reduce")].observed == [0.0005]
     assert sink.children[("count", "default", "0", "all_gather")].value == 1   # counted once
     assert reader.cursors["cpu"].pending_duration == {}
+
+
+def test_an_nccl_entry_completed_but_not_retired_keeps_waiting_for_its_duration():
+    """A read's copy of the ring marks a finished collective completed at once
+    (time_discovered_completed_ns); NCCL's watchdog writes its duration_ms only when it retires
+    it, a watchdog period later. The newest collectives of every read are such entries: taken
+    as final, their durations were never published."""
+    rec, reader, sink, drops, errors = make()
+    rec.collective(op="nccl:all_reduce", time_discovered_completed_ns=5, retired=False)
+    reader.poll()
+    assert list(reader.cursors["cpu"].pending_duration) == [0]
+    rec.entries[-1].update(duration_ms=3.0, retired=True)
+    rec.collective(op="nccl:all_reduce", time_discovered_completed_ns=6, retired=True)   # retired without one
+    reader.poll()
+    assert sink.children[("duration", "default", "all_reduce")].observed == [0.003]
+    assert reader.cursors["cpu"].pending_duration == {}
+    assert sink.children[("count", "default", "0", "all_reduce")].value == 2 and errors == []
 
 
 def test_entries_are_read_once_half_the_ring_is_new_by_the_sequence_numbers():
@@ -271,7 +288,7 @@ def test_a_poll_reads_entries_only_when_half_the_ring_is_new():
 def test_durations_still_pending_when_overwritten_are_given_up():
     rec, reader, sink, drops, errors = make()
     rec.size = 3
-    rec.collective(op="nccl:all_reduce")           # not completed when read: its duration is pending
+    rec.collective(op="nccl:all_reduce", retired=False)   # not completed when read: its duration is pending
     reader.poll()
     assert list(reader.cursors["cpu"].pending_duration) == [0]
     for _ in range(5):                             # overwritten in the ring meanwhile

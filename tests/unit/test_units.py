@@ -16,6 +16,7 @@ from rankscope.exporter.config import ExporterConfig
 from rankscope.exporter.ranks import RankView, derive_states
 from rankscope.collectives.tracker import CollectiveTracker
 from rankscope.device.rank_device import RankDevice
+from tests.helpers.strict_cuda import StrictCuda, in_thread
 from rankscope.config import ConfigError, MonitorConfig
 from rankscope.step.judging import GradNormTracker, LossTracker
 from rankscope.identity import RankIdentity
@@ -284,82 +285,49 @@ def test_no_suspect_while_collectives_are_short(tmp_path):
 # -- collective bookkeeping (the CUDA-event path, with events that behave like CUDA's) --
 
 
-class FakeEvent:
-    """Records a host time (and the stream it was given) at record(); 'completes' once the test says so."""
-
-    def __init__(self):
-        self.t = None
-        self.stream = None
-        self.done = False
-
-    def record(self, stream=None):
-        self.t = time.perf_counter()
-        self.stream = stream
-
-    def query(self):
-        return self.done
-
-    def elapsed_time(self, end):
-        assert self.done and end.done, "elapsed_time on an unfinished event would synchronise"
-        return (end.t - self.t) * 1000.0
-
-
-DEVICE_STREAM = "the current stream of cuda:0"
-
-
-def fake_cuda(factory, index: int = 0) -> RankDevice:
-    """A RankDevice bound to cuda:<index>, with fake events and a named stream."""
-    device = RankDevice(lambda what, reason: None)
-    device.bind(SimpleNamespace(type="cuda", index=index), event_factory=factory,
-                stream=lambda d: f"the current stream of cuda:{d.index}")
-    return device
-
-
 def test_device_spans_are_read_lazily_in_order_and_events_reused():
-    created = []
-
-    def factory():
-        created.append(FakeEvent())
-        return created[-1]
-
-    tracker = CollectiveTracker(fake_cuda(factory))
-    a = tracker.begin_device("all_reduce", 1024, bucket=0)
-    tracker.end_device(a)
-    b = tracker.begin_device("all_reduce", 2048, bucket=1)
-    tracker.end_device(b)
-    assert set(tracker.in_flight()) == {"all_reduce"}
-    assert tracker.poll_device() == 0                      # nothing finished: nothing read, nothing waited for
-    b.start_event.done = b.end_event.done = True
-    assert tracker.poll_device() == 0                      # launch order: b waits behind a
-    a.start_event.done = a.end_event.done = True
-    assert tracker.poll_device() == 2
-    records = tracker.drain()
-    assert [(r.bucket, r.nbytes) for r in records] == [(0, 1024), (1, 2048)]
-    assert all(r.duration >= 0 for r in records) and tracker.in_flight() == {}
-    c = tracker.begin_device("broadcast", 8)               # events come back from the pool
-    assert len(created) == 4 and c.start_event in created
-    assert {e.stream for e in created} == {DEVICE_STREAM}  # the rank's device's stream, never another's
+    with StrictCuda(rank_device=0) as cuda:
+        cuda.set_device(0)
+        device = RankDevice(lambda what, reason: None)
+        device.bind("cuda:0")
+        tracker = CollectiveTracker(device)
+        with cuda.hold():                                   # the device is still busy with both
+            a = tracker.begin_device("all_reduce", 1024, bucket=0)
+            tracker.end_device(a)
+            b = tracker.begin_device("all_reduce", 2048, bucket=1)
+            tracker.end_device(b)
+        assert set(tracker.in_flight()) == {"all_reduce"}
+        assert tracker.poll_device() == 0                  # nothing finished: nothing read, nothing waited for
+        b.start_event.done = b.end_event.done = True
+        assert tracker.poll_device() == 0                  # launch order: b waits behind a
+        a.start_event.done = a.end_event.done = True
+        assert tracker.poll_device() == 2
+        records = tracker.drain()
+        assert [(r.bucket, r.nbytes) for r in records] == [(0, 1024), (1, 2048)]
+        assert all(r.duration >= 0 for r in records) and tracker.in_flight() == {}
+        created = device.events.created
+        c = tracker.begin_device("broadcast", 8)           # events come back from the pool
+        assert device.events.created == created == 4 and c.start_event in (a.start_event, a.end_event,
+                                                                            b.start_event, b.end_event)
 
 
 def test_the_rank_device_is_learnt_once_and_kept_once_events_exist(caplog):
     """Monitor() without a device: the first CUDA model or value names it. A different device
-    later is taken only while no event exists yet (a Monitor(device="cuda") made before
-    set_device, then a model on cuda:3): an event created on one device cannot be recorded on
-    another's stream."""
-    device = RankDevice(lambda what, reason: None)
-    cuda = lambda index: SimpleNamespace(type="cuda", index=index)   # noqa: E731
-    streams = lambda d: f"stream of cuda:{d.index}"                  # noqa: E731
-    assert not device.bind(None) and not device.cuda
-    assert device.bind(cuda(2), event_factory=FakeEvent, stream=streams) and device.index == 2
-    assert not device.bind(cuda(2), event_factory=FakeEvent, stream=streams)          # the same: nothing changes
-    assert device.bind(cuda(3), event_factory=FakeEvent, stream=streams) and device.index == 3   # no event yet
-    event = device.events.get()
-    event.record(device.stream())
-    assert event.stream == "stream of cuda:3"
-    with caplog.at_level("WARNING", logger="rankscope"):
-        assert not device.bind(cuda(0), event_factory=FakeEvent, stream=streams)
-        assert not device.bind(cuda(1), event_factory=FakeEvent, stream=streams)
-    assert device.index == 3 and len([r for r in caplog.records if "not timed" in r.message]) == 1
+    later is taken only while no event exists yet (a model on cuda:3 after cuda:2 was named):
+    an event created on one device cannot be recorded on another's stream."""
+    with StrictCuda(rank_device=3):
+        device = RankDevice(lambda what, reason: None)
+        assert not device.bind(None) and not device.cuda
+        assert device.bind("cuda:2") and device.index == 2
+        assert not device.bind("cuda:2")                                       # the same: nothing changes
+        assert device.bind("cuda:3") and device.index == 3                     # no event yet
+        event = device.events.get()
+        event.record(device.stream())
+        assert event.stream.index == 3
+        with caplog.at_level("WARNING", logger="rankscope"):
+            assert not device.bind("cuda:0")
+            assert not device.bind("cuda:1")
+        assert device.index == 3 and len([r for r in caplog.records if "not timed" in r.message]) == 1
 
 
 def test_host_collectives_in_flight_and_bounded_buffer():
@@ -382,43 +350,36 @@ def test_cuda_phases_come_from_events_read_later(tmp_path, monkeypatch):
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    events: list[FakeEvent] = []
-
-    def factory():
-        events.append(FakeEvent())
-        return events[-1]
-
-    monitor = monitor_module.Monitor(exporter="off", metrics_dir=tmp_path, run="cuda-path", backend="nccl",
-                                     publish_interval_s=60)
-    monitor.device.bind(SimpleNamespace(type="cuda", index=0), event_factory=factory,   # the CUDA wiring
-                        stream=lambda d: DEVICE_STREAM)
-    try:
-        hook = monitor.comm = monitor.steps.comm = HookTiming(monitor.tracker, lambda: None)   # as watch() sets it
-        with monitor.step(samples=4) as step:
-            with step.phase("forward"):
-                time.sleep(0.01)
-            with step.phase("backward"):
-                bucket = monitor.tracker.begin_device("all_reduce", 4096, bucket=0)
-                hook.last_device_span = bucket
-                time.sleep(0.02)
-                monitor.tracker.end_device(bucket)
-        monitor.publisher.publish()
-        phase = monitor.metrics.phase
-        assert phase["forward"]._value.get() == 0                 # nothing read before the GPU is done
-        assert monitor.device.reads.ready_steps() == []
-        for e in events:
-            e.done = True
-        monitor.publisher.publish()
-        assert not monitor.device.reads._steps
-        forward, backward, comm = (phase[p]._value.get() for p in ("forward", "backward", "comm_wait"))
-        assert forward >= 0.01
-        assert comm == pytest.approx(bucket.duration) and comm >= 0.02   # last bucket: the exposed wait
-        assert backward >= 0 and backward + comm >= 0.02
-        step_seconds = monitor.metrics.step_duration._sum.get()
-        assert sum(p._value.get() for p in phase.values()) == pytest.approx(step_seconds, rel=1e-6)
-        assert {e.stream for e in events} == {DEVICE_STREAM}
-    finally:
-        monitor.close()
+    with StrictCuda(rank_device=0) as cuda:
+        cuda.set_device(0)
+        monitor = monitor_module.Monitor(exporter="off", metrics_dir=tmp_path, run="cuda-path", backend="nccl",
+                                         publish_interval_s=60, device="cuda:0")
+        try:
+            hook = monitor.comm = monitor.steps.comm = HookTiming(monitor.tracker, lambda: None)   # as watch() sets it
+            with cuda.hold(), monitor.step(samples=4) as step:
+                with step.phase("forward"):
+                    time.sleep(0.01)
+                with step.phase("backward"):
+                    bucket = monitor.tracker.begin_device("all_reduce", 4096, bucket=0)
+                    hook.last_device_span = bucket
+                    time.sleep(0.02)
+                    monitor.tracker.end_device(bucket)
+            in_thread(monitor.publisher.publish)
+            phase = monitor.metrics.phase
+            assert phase["forward"]._value.get() == 0                 # nothing read before the GPU is done
+            with monitor.device.on_device():
+                assert monitor.device.reads.ready_steps() == []
+            cuda.release()
+            in_thread(monitor.publisher.publish)
+            assert not monitor.device.reads._steps
+            forward, backward, comm = (phase[p]._value.get() for p in ("forward", "backward", "comm_wait"))
+            assert forward >= 0.01
+            assert comm == pytest.approx(bucket.duration) and comm >= 0.02   # last bucket: the exposed wait
+            assert backward >= 0 and backward + comm >= 0.02
+            step_seconds = monitor.metrics.step_duration._sum.get()
+            assert sum(p._value.get() for p in phase.values()) == pytest.approx(step_seconds, rel=1e-6)
+        finally:
+            monitor.close()
 
 
 def test_reducer_mode_without_ddp_timers_fails_at_watch(tmp_path, monkeypatch):

@@ -152,7 +152,7 @@ class ReducerTiming(CommTiming):
     def attach(self, model: Any) -> None:
         super().attach(model)
         try:
-            on_cuda = any(p.is_cuda for p in model.parameters())
+            on_cuda = self.tracker.device.first_cuda_index(model) is not None
             self.timers = ReducerTimers(model, REDUCER_SAMPLE_EVERY_CUDA if on_cuda else REDUCER_SAMPLE_EVERY)
         except Exception as e:   # DDP's private logging API moved: say so now, not mid-training
             import torch
@@ -209,7 +209,16 @@ def existing_hook(model: Any) -> str | None:
 def choose(mode: str, model: Any, tracker: CollectiveTracker, on_error: Callable[[], None]) -> CommTiming:
     """The strategy for ``mode`` (one of config.COMM_TIMING_MODES), attached to a DDP ``model``."""
     if mode == "auto":
-        mode = "hook" if any(p.is_cuda for p in model.parameters()) else "reducer"
+        mode = "hook" if tracker.device.first_cuda_index(model) is not None else "reducer"
+    if getattr(model, "_use_python_reducer", False):
+        # Compiled autograd's DDP (torch._dynamo optimize_ddp="python_reducer") calls comm hooks with
+        # (grad, param), not a bucket, and does not run the C++ reducer whose timers the reducer
+        # mode reads: its collectives are counted from the flight recorder instead.
+        if mode != "off":
+            log.warning("rankscope: this DDP model uses the python reducer (compiled autograd): its all-reduces "
+                        "are not timed by rankscope's hook or DDP's timers, only counted from torch's flight "
+                        "recorder (comm_timing=off)")
+        mode = "off"
     watched = getattr(model, "_rankscope_hook_timing", None)
     if watched is not None:
         # Watched before (a framework wraps per call, a new Monitor per run): DDP keeps the
@@ -311,9 +320,10 @@ def ddp_timing_hook(timing: HookTiming):
         timing.last_launch = time.perf_counter()
         span = token = None
         try:
-            if not buf.is_cuda:
+            on = device.api.device_of(buf)
+            if on is None:
                 token, t0, start = tracker.begin("all_reduce")
-            elif device.events is not None and device.owns(buf):
+            elif device.events is not None and on == device.index:
                 span = tracker.begin_device("all_reduce", nbytes, index)
         except Exception:  # telemetry must never fail the backward pass
             on_error()

@@ -149,39 +149,86 @@ RECORDERS = {
 }
 
 
-def available_recorders() -> tuple[str, ...]:
-    """The recorders this torch build has."""
-    import torch
+def available_recorders(c10d: Any = None) -> tuple[str, ...]:
+    """The recorders this torch build has. Where torch records every backend into the generic
+    recorder too (``FlightRecorderHook``, after 2.13), that one alone: reading both would count
+    each NCCL collective twice."""
+    if c10d is None:
+        import torch
 
-    c10d = getattr(torch._C, "_distributed_c10d", None)
+        c10d = getattr(torch._C, "_distributed_c10d", None)
+    if c10d is not None and hasattr(c10d, "FlightRecorderHook"):
+        return ("cpu",) if hasattr(c10d, RECORDERS["cpu"][0]) else ()
     return tuple(name for name, (status, _) in RECORDERS.items() if c10d is not None and hasattr(c10d, status))
+
+
+def recorder_holds_cuda_events(recorder: str, c10d: Any) -> bool:
+    """Whether reading ``recorder`` queries CUDA events (NCCL's collectives): such a read must run
+    with the rank's device current (rankscope.device.cuda)."""
+    return recorder == "nccl" or hasattr(c10d, "FlightRecorderHook")
 
 
 _FETCH_CHUNK = 256 * 1024   # bytes of the ring's JSON received per GIL release
 
 
 class FlightRecorderSource:
-    """The two reads of each of torch's flight recorders; replaceable in tests."""
+    """The two reads of each of torch's flight recorders; replaceable in tests.
 
-    def __init__(self, socket_dir: Path, rank: int, recorders: tuple[str, ...] | None = None):
+    NCCL's recorder queries the CUDA events of its unfinished collectives when read, on the
+    calling thread: with no device current there, that makes a CUDA context on GPU 0. So it
+    is read only once the rank's device is known, inside its guard, and its ring is serialised
+    by torch's worker server (a thread of torch's, whose current device is 0) only where the
+    rank's device *is* 0 (one GPU per rank through CUDA_VISIBLE_DEVICES, or local rank 0);
+    elsewhere on this thread, holding the GIL while torch serialises it (docs/collectives.md)."""
+
+    def __init__(self, socket_dir: Path, rank: int, recorders: tuple[str, ...] | None = None,
+                 device: Any = None, c10d: Any = None):
         self._socket_dir = socket_dir
         self._rank = rank
-        self.recorders = available_recorders() if recorders is None else recorders
+        self._device = device                 # rankscope.device.RankDevice, or None (no CUDA here)
+        self._c10d = c10d                     # torch._C._distributed_c10d (a test's double)
+        self.recorders = available_recorders(c10d) if recorders is None else recorders
         self._server: Any = None
         self._path = ""
 
-    def status(self, recorder: str = "cpu") -> dict[str, dict[str, str]]:
-        import torch
+    @property
+    def c10d(self) -> Any:
+        if self._c10d is None:
+            import torch
 
-        raw = getattr(torch._C._distributed_c10d, RECORDERS[recorder][0])(False, False)
+            self._c10d = torch._C._distributed_c10d
+        return self._c10d
+
+    def _on_device(self, recorder: str) -> bool | None:
+        """None: the recorder cannot be read yet (CUDA events, no device known); else whether its
+        reads need the device's guard."""
+        if not recorder_holds_cuda_events(recorder, self.c10d):
+            return False
+        device = self._device
+        return True if device is not None and device.cuda else None
+
+    def status(self, recorder: str = "cpu") -> dict[str, dict[str, str]]:
+        call = getattr(self.c10d, RECORDERS[recorder][0])
+        guarded = self._on_device(recorder)
+        if guarded is None:
+            return {}
+        raw = self._device.api.call_on(self._device.index, call, False, False) if guarded else call(False, False)
         return json.loads(raw).get("pg_status", {})
 
-    def entries_json(self, recorder: str = "cpu") -> bytearray:
-        """The whole ring as JSON, serialised by torch's C++ worker server (no GIL held meanwhile).
+    def entries_json(self, recorder: str = "cpu") -> bytes | bytearray:
+        """The whole ring as JSON, serialised by torch's C++ worker server (no GIL held meanwhile),
+        or by the recorder's own call on this thread where the server's thread would touch
+        another device than the rank's (see the class docstring).
 
         Read in chunks into one buffer allocated up front: a full 20,000-entry ring (torchtitan's
         size) is ~15 MB, and reading it whole builds the bytes object under the GIL (a 6.5 ms
         stop for the training thread); each chunk's receive lets the GIL go."""
+        guarded = self._on_device(recorder)
+        if guarded is None:
+            return b""
+        if guarded and self._device.index != 0:
+            call = getattr(self.c10d, RECORDERS[recorder][0])
+            return self._device.api.call_on(self._device.index, call, True, False)
         if self._server is None:
             self._start()
         conn = _UnixHTTPConnection(self._path)
@@ -206,8 +253,7 @@ class FlightRecorderSource:
             conn.close()
 
     def _start(self) -> None:
-        from torch._C._distributed_c10d import _WorkerServer
-
+        _WorkerServer = self.c10d._WorkerServer
         path = self._socket_dir / f"fr-{self._rank}-{os.getpid()}.sock"
         if len(str(path)) > 100:   # sun_path holds 108 bytes
             path = Path(tempfile.mkdtemp(prefix="rankscope-fr-")) / "fr.sock"
@@ -524,9 +570,10 @@ class ProcessGroupReader:
         duration_ms = entry.get("duration_ms")
         if duration_ms is not None:
             self._m.process_group_duration(group.label, op).observe(float(duration_ms) / 1000.0)
-        elif not entry.get("time_discovered_completed_ns") and entry.get("profiling_name", "").startswith("nccl:"):
-            # NCCL's watchdog writes the duration (collective timing on) once it sees the work
-            # complete: read this entry again until then.
+        elif not entry.get("retired") and entry.get("profiling_name", "").startswith("nccl:"):
+            # NCCL's watchdog writes the duration (collective timing on) when it retires the work,
+            # a watchdog period after the read's own copy of the entry saw it complete
+            # (time_discovered_completed_ns): read this entry again until it is retired.
             if len(cursor.pending_duration) >= MAX_IN_FLIGHT:
                 cursor.pending_duration.pop(min(cursor.pending_duration))
             cursor.pending_duration[record] = (group.label, op)
@@ -545,7 +592,7 @@ class ProcessGroupReader:
         if duration_ms is not None:
             self._m.process_group_duration(*pending).observe(float(duration_ms) / 1000.0)
             del cursor.pending_duration[record]
-        elif entry.get("time_discovered_completed_ns"):   # completed without one: timing is off
+        elif entry.get("retired"):   # retired without one: timing is off
             del cursor.pending_duration[record]
 
     def _group(self, cursor: Cursor, pg_id: str, process_group: Any) -> Group | None:

@@ -103,20 +103,35 @@ class CollectiveTracker:
         token = next(self._tokens)
         start = time.time()
         self._in_flight[token] = (op, start)
-        start_event = device.events.get()
-        start_event.record(device.stream())
+        try:
+            start_event = device.events.get()
+            start_event.record(device.stream())
+        except Exception:
+            self._in_flight.pop(token, None)
+            raise
         return _DeviceSpan(token, op, nbytes, start, bucket, start_event, None)
 
     def end_device(self, span: _DeviceSpan) -> None:
         """Call where the device's current stream is synchronised with the collective's completion
         (a comm hook's completion callback; after a blocking collective, the caller's stream)."""
         device = self.device
-        span.end_event = device.events.get()
-        span.end_event.record(device.stream())
+        try:
+            span.end_event = device.events.get()
+            span.end_event.record(device.stream())
+        except Exception:
+            self.abandon(span)
+            raise
         self._device.append(span)
 
+    def abandon(self, span: _DeviceSpan) -> None:
+        """A span whose end could not be recorded: no longer in flight (a hang would be paged
+        otherwise), and known to have no duration (a step waiting for its bucket goes on)."""
+        self._in_flight.pop(span.token, None)
+        span.duration = 0.0
+
     def poll_device(self) -> int:
-        """Read finished event pairs, in launch order; never blocks. Returns how many."""
+        """Read finished event pairs, in launch order; never blocks. Returns how many.
+        Off the training thread, inside ``RankDevice.on_device()``."""
         done = 0
         with self._drain_lock:
             while self._device and self._device[0].end_event.query():

@@ -54,7 +54,7 @@ ERROR_COMPONENTS: tuple[str, ...] = ("step", "publisher", "memory", "collectives
 DROP_REASONS: dict[str, str] = {
     "step_duration": "a step's duration and values (the step is still counted): more steps between two publishes "
                      "than buffered",
-    "device_value": "a CUDA loss or grad-norm value evicted before the device finished it",
+    "device_value": "a CUDA loss, grad-norm, lr or user-metric value evicted before the device finished it",
     "device_step": "a CUDA step's phase timings evicted before the device finished them",
     "collective": "a completed collective's timing evicted before it was published",
     "value": "an observed loss, grad_norm or lr that is not a number",

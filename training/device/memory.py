@@ -72,8 +72,7 @@ def _cgroup_limit_files(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sy
 
 class MemorySampler:
     """Reads the rank's memory: its CUDA device's (``device.RankDevice``, once known, by its
-    explicit index: this runs on the publisher thread, whose current device is always 0) and
-    the host's."""
+    explicit index, inside its guard: this runs on the publisher thread) and the host's."""
 
     def __init__(self, device):
         self.device = device
@@ -85,18 +84,12 @@ class MemorySampler:
 
     def total(self) -> float:
         """The device's memory in bytes; 0 before a CUDA device is known."""
-        if not self.device.cuda:
-            return 0.0
-        import torch
-
-        return float(torch.cuda.get_device_properties(self.device.index).total_memory)
+        return float(self.device.total_memory) if self.device.cuda else 0.0
 
     def read(self) -> MemoryReading:
         reading = MemoryReading(rss=rss_bytes())
         if self.device.cuda:
-            import torch
-
-            stats = torch.cuda.memory_stats(self.device.index)
+            stats = self.device.api.memory_stats(self.device.index)
             reading.allocated = float(stats.get("allocated_bytes.all.current", 0))
             reading.reserved = float(stats.get("reserved_bytes.all.current", 0))
             reading.peak = float(stats.get("allocated_bytes.all.peak", 0))

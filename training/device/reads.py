@@ -47,6 +47,7 @@ class DeviceReads:
         self._device = device                # device.RankDevice: whose stream the copies are ordered on
         self._values: deque[DeviceValue] = deque()
         self._steps: deque[DeviceStep] = deque()
+        self._user: deque[tuple[Any, Any, Callable[[float], None]]] = deque()   # (host, ready, deliver)
         # dtype -> pinned buffers whose value was read (appended by the publisher, popped by the training thread)
         self._free_pinned: dict[Any, list[Any]] = {}
 
@@ -54,27 +55,36 @@ class DeviceReads:
     def defer_value(self, what: str, tensor: Any, step: Any) -> None:
         """Copy a 0-d tensor of the rank's device to pinned memory; ``ready`` is recorded on the
         same stream as the copy (that device's current one), so it completes only once the copy has."""
+        copied = self._copy(what, tensor, self._values)
+        if copied is not None:
+            self._values.append(DeviceValue(what, *copied, step))
+
+    def defer_user_value(self, what: str, tensor: Any, deliver: Callable[[float], None]) -> None:
+        """A user metric's 0-d device value: ``deliver(number)`` runs on the publisher once it is copied."""
+        copied = self._copy(what, tensor, self._user)
+        if copied is not None:
+            self._user.append((*copied, deliver))
+
+    def _copy(self, what: str, tensor: Any, queue: deque) -> tuple[Any, Any] | None:
         device = self._device
         if not device.owns(tensor):
-            self._on_drop("value", f"{what} is on cuda:{tensor.get_device()}, the monitor times cuda:{device.index}:"
-                                   " give Monitor(device=...) the rank's own GPU")
-            return
-        if not self._room(self._values, "device_value"):
-            return
+            self._on_drop("value", f"{what} is on cuda:{device.device_of(tensor)}, the monitor times "
+                                   f"cuda:{device.index}: give Monitor(device=...) the rank's own GPU")
+            return None
+        if not self._room(queue, "device_value"):
+            return None
         host = self._pinned(tensor.dtype)
-        host.copy_(tensor, non_blocking=True)
+        device.api.copy_to_host(host, tensor)
         ready = self.events.get()
         ready.record(device.stream())
-        self._values.append(DeviceValue(what, host, ready, step))
+        return host, ready
 
     def _pinned(self, dtype: Any) -> Any:
         """A pinned 0-d buffer, reused once its value has been read: no allocation per step."""
         free = self._free_pinned.get(dtype)
         if free:
             return free.pop()
-        import torch
-
-        return torch.empty((), dtype=dtype, pin_memory=True)
+        return self._device.api.pinned_scalar(dtype)
 
     def defer_step(self, step: DeviceStep) -> None:
         if self._room(self._steps, "device_step"):
@@ -89,7 +99,7 @@ class DeviceReads:
         self._on_drop(what, f"more than {MAX_PENDING} waiting for the device")
         return False
 
-    # -- publisher thread ------------------------------------------------------
+    # -- publisher thread (inside RankDevice.on_device) -------------------------
     def ready_values(self) -> list[tuple[str, float, Any]]:
         """``(what, number, step)`` of the values whose copy has finished, in order; never
         blocks. Their buffer and event go back for the next steps."""
@@ -98,11 +108,26 @@ class DeviceReads:
         while values and values[0].ready.query():
             value = values.popleft()
             out.append((value.what, float(value.host), value.step))
-            self.events.put(value.ready)
-            free = self._free_pinned.setdefault(value.host.dtype, [])
-            if len(free) < MAX_FREE_PINNED:
-                free.append(value.host)
+            self._release(value.host, value.ready)
         return out
+
+    def deliver_user_values(self) -> int:
+        """Hands each copied user value to its metric, in order; never blocks. Returns how many."""
+        done = 0
+        user = self._user
+        while user and user[0][1].query():
+            host, ready, deliver = user.popleft()
+            number = float(host)
+            self._release(host, ready)
+            deliver(number)
+            done += 1
+        return done
+
+    def _release(self, host: Any, ready: Any) -> None:
+        self.events.put(ready)
+        free = self._free_pinned.setdefault(host.dtype, [])
+        if len(free) < MAX_FREE_PINNED:
+            free.append(host)
 
     def ready_steps(self) -> list[dict[str, float]]:
         """Phase seconds of the finished steps, in order; never blocks.

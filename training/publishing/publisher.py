@@ -138,11 +138,13 @@ class Publisher:
         reads = self._device.reads
         accounting = self._accounting
         if reads is not None:
-            self._tracker.poll_device()
-            for what, number, step in reads.ready_values():
-                accounting.device_value_ready(what, number, step)
-            for phases in reads.ready_steps():
-                accounting.device_phases_ready(phases)
+            with self._device.on_device():   # this thread's CUDA calls on the rank's device only
+                self._tracker.poll_device()
+                for what, number, step in reads.ready_values():
+                    accounting.device_value_ready(what, number, step)
+                for phases in reads.ready_steps():
+                    accounting.device_phases_ready(phases)
+                reads.deliver_user_values()
         acc = self._acc = accounting.swap()
         overflow = self._handoff.take_overflow()
         if overflow.steps:
@@ -200,7 +202,8 @@ class Publisher:
             m.collective(op).bytes.inc(n)
         in_flight = tracker.in_flight()
         if in_flight:
-            self._flight_recorder.check(min(in_flight.values()))
+            with self._device.on_device():   # NCCL's recorder queries its collectives' CUDA events
+                self._flight_recorder.check(min(in_flight.values()))
         for op in set(in_flight) | set(self._in_flight_published):
             since = in_flight.get(op, 0.0)
             if self._in_flight_published.get(op) != since:

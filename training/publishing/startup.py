@@ -120,7 +120,7 @@ class RankInfo:
         self._metrics = metrics
         self._steps = steps
         # On a GPU machine a Monitor() without a device may learn it at the first step: wait for it.
-        self._device_may_come = not device.cuda and _cuda_available()
+        self._device_may_come = not device.cuda and device.api.available()
         self._info: dict[str, str] | None = None   # described and saved, once the backend is known
         self.written = False                         # the rank_info series is written
 
@@ -152,12 +152,6 @@ class RankInfo:
             self.written = True
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def _process_group_backend() -> str | None:
     import torch.distributed as dist
 
@@ -166,15 +160,14 @@ def _process_group_backend() -> str | None:
     return None
 
 
-def gpu_uuid(properties: Any) -> str:
+def gpu_uuid(uuid: str, name: str) -> str:
     """The UUID NVML gives the rank's GPU, so that ``rank_info{gpu_uuid}`` joins the exporter's
     ``rankscope_gpu_*{uuid}``. torch prints it without NVML's prefix. A MIG instance has its own
     UUID ("MIG-..."), but NVML reads clocks, power and errors of the physical GPU: its parent's
     UUID is the one that joins (found through NVML once; the instance's own if NVML cannot)."""
-    uuid = str(getattr(properties, "uuid", ""))
     if not uuid or uuid.startswith(("GPU-", "MIG-")):
         return uuid
-    if "MIG" not in str(getattr(properties, "name", "")).split():
+    if "MIG" not in name.split():
         return f"GPU-{uuid}"
     return _mig_parent_uuid(f"MIG-{uuid}")
 
@@ -202,13 +195,13 @@ def describe(identity: RankIdentity, device: Any, backend: str) -> dict[str, str
     from rankscope import __version__
 
     name, uuid = "cpu", ""
-    if device.cuda:   # by its explicit index: this runs on the publisher thread (current device 0)
+    if device.cuda:   # read when the device was bound (rankscope.device.rank_device)
         name = f"cuda:{device.index}"
-        uuid = gpu_uuid(torch.cuda.get_device_properties(device.index))
+        uuid = gpu_uuid(device.uuid, device.name)
     nccl = ""
     try:
-        if torch.cuda.is_available():
-            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        if device.api.available():
+            nccl = device.api.nccl_version()
     except Exception:   # a CUDA build without NCCL
         nccl = ""
     return {

@@ -31,9 +31,10 @@ MAX_CHILDREN = 1000   # label sets per metric: a label fed from data would other
 
 
 class UserMetrics:
-    def __init__(self, metrics: Any, errors: Any):
+    def __init__(self, metrics: Any, errors: Any, device: Any = None):
         self._metrics = metrics
         self._errors = errors
+        self._device = device   # rankscope.device.RankDevice: a CUDA value is read once the device is done
 
     def declare(self, name: str, kind: str, documentation: str, labels: Sequence[str] = (),
                 buckets: Sequence[float] | None = None) -> "UserMetric":
@@ -48,7 +49,7 @@ class UserMetrics:
             metric = self._metrics.declare(spec, labels)
         except ValueError as e:   # prometheus_client: a duplicate name, bad buckets
             raise ConfigError(f"user metric {name!r}: {e}") from None
-        return UserMetric(self._metrics, self._errors, metric, labels)
+        return UserMetric(self._metrics, self._errors, metric, labels, self._device)
 
 
 def _check_name(name: str, kind: str) -> None:
@@ -73,13 +74,16 @@ def _check_labels(name: str, labels: tuple[str, ...]) -> None:
 
 
 class UserMetric:
-    """A declared metric. Its methods never raise into the loop."""
+    """A declared metric. Its methods never raise into the loop, and never wait for the device: a
+    value may be a number or a one-element tensor; a CUDA one is copied without a sync and
+    applied by the publisher once the device has finished it (rankscope.device.reads)."""
 
-    def __init__(self, metrics: Any, errors: Any, metric: Any, labels: tuple[str, ...]):
+    def __init__(self, metrics: Any, errors: Any, metric: Any, labels: tuple[str, ...], device: Any = None):
         self._metrics = metrics
         self._errors = errors
         self._metric = metric
         self._labels = labels
+        self._device = device
         self._children: dict[tuple[str, ...], Any] = {}
         if not labels:
             self._children[()] = metrics.child(metric, {})
@@ -97,10 +101,21 @@ class UserMetric:
 
     def _apply(self, method: str, value: Any, labels: dict[str, Any]) -> None:
         try:
-            number = float(value.item()) if hasattr(value, "item") else float(value)   # a tensor, too
-            getattr(self._child(labels), method)(number)
+            apply = getattr(self._child(labels), method)
+            device = self._device
+            if device is not None and hasattr(value, "item") and device.device_of(value) is not None:
+                self._defer(device, value, apply)
+                return
+            apply(float(value.item()) if hasattr(value, "item") else float(value))   # a CPU tensor, too
         except Exception:
             self._errors.error("user")
+
+    def _defer(self, device: Any, tensor: Any, apply: Any) -> None:
+        if tensor.numel() != 1:
+            raise ValueError(f"a tensor of {tensor.numel()} values: give one")
+        if not device.cuda:
+            device.bind(device.device_of(tensor))   # a Monitor() without a device learns it here too
+        device.reads.defer_user_value("a user metric", tensor.detach().reshape(()), apply)
 
     def set(self, value: float, **labels: Any) -> None:
         self._apply("set", value, labels)

@@ -161,9 +161,9 @@ class StepHandoff:
         for value in observed:
             if value is None or type(value) is float:
                 continue
-            device = _cuda_device(value)
-            if device is not None:
-                return self._device.bind(device)
+            index = self._device.device_of(value)
+            if index is not None:
+                return self._device.bind(index)
         return False
 
     def _defer_to_device(self, s: Any, t1: float, comm: Any) -> tuple[Any, Any, Any]:
@@ -180,10 +180,10 @@ class StepHandoff:
     def _defer_value(self, reads: Any, what: str, value: Any, context: TraceContext | None) -> Any:
         """A device tensor (or a sequence holding one) is reduced here, on the training thread,
         and goes to the device reads (None is left); anything else is read later."""
-        if value is None or type(value) is float or _cuda_device(value) is None:
+        if value is None or type(value) is float or self._device.device_of(value) is None:
             return value
         try:
-            number = values.read(what, value)
+            number = values.read(what, value, self._device.api.device_of)
         except values.NotANumber as e:
             self._errors.drop("value", str(e))
             return None
@@ -213,17 +213,6 @@ class StepHandoff:
         except Exception:
             self._errors.error("step")
         self.publish_now.ask()   # bounded: the count reaches the files before the process may die
-
-
-def _cuda_device(value: Any) -> Any:
-    """The device of a CUDA tensor, or of the first one in a list or tuple; None otherwise."""
-    if getattr(value, "is_cuda", False):
-        return value.device
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            if getattr(item, "is_cuda", False):
-                return item.device
-    return None
 
 
 def _is_oom(exc: BaseException) -> bool:

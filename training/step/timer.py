@@ -257,9 +257,15 @@ class StepTimer:
             s.phase_log = []
         if s.device_phases:
             s.device_phases = []
-        events = s.events = self.device.events
+        device = self.device
+        if device.unresolved:   # Monitor(device="cuda"): the loop has set its device by now
+            try:
+                device.bind_current()
+            except Exception:
+                self.on_error()
+        events = s.events = device.events
         if events is not None:
-            s.stream = self.device.stream()
+            s.stream = device.stream()
         comm = self.comm
         if comm.mode != "off":
             comm.step_started()

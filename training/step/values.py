@@ -32,21 +32,27 @@ from __future__ import annotations
 
 import math
 from numbers import Real
-from typing import Any
+from typing import Any, Callable
+
+from rankscope.device import cuda
 
 
 class NotANumber(ValueError):
     """An observed value that no documented rule turns into a number."""
 
 
-def read(what: str, value: Any) -> Any:
-    """A float, or a 0-d CUDA tensor to be read later. Raises NotANumber."""
+def read(what: str, value: Any, device_of: Callable[[Any], int | None] | None = None) -> Any:
+    """A float, or a 0-d CUDA tensor to be read later. Raises NotANumber.
+
+    ``device_of``: a tensor's CUDA device index, or None (``rankscope.device.cuda``'s, by default)."""
     if isinstance(value, (float, int)) and not isinstance(value, bool):
         return float(value)
+    if device_of is None:
+        device_of = cuda.api().device_of
     if hasattr(value, "is_cuda") and hasattr(value, "item"):   # a tensor
         if type(value).__name__ == "DTensor":
             value = _local_part(what, value)
-        if value.is_cuda:
+        if device_of(value) is not None:
             return _device_scalar(what, value)
         try:
             # The common case, a 0-d CPU loss, in one torch call: each costs
@@ -55,7 +61,7 @@ def read(what: str, value: Any) -> Any:
         except RuntimeError:   # more than one element, or none
             return _number(what, _host_reduce(what, value))
     if isinstance(value, (list, tuple)):
-        return _read_sequence(what, value)
+        return _read_sequence(what, value, device_of)
     return _number(what, value)
 
 
@@ -105,12 +111,12 @@ def _local_part(what: str, value: Any) -> Any:
     return value.to_local()
 
 
-def _read_sequence(what: str, values: list | tuple) -> Any:
+def _read_sequence(what: str, values: list | tuple, device_of: Callable[[Any], int | None]) -> Any:
     if not values:
         raise NotANumber(f"{what}: an empty {type(values).__name__}")
     if what == "lr":
-        return read(what, values[0])
-    numbers = [read(what, v) for v in values]
+        return read(what, values[0], device_of)
+    numbers = [read(what, v, device_of) for v in values]
     on_host = [n for n in numbers if isinstance(n, float)]
     if len(on_host) < len(numbers):   # combine on the device, without waiting for it
         import torch
