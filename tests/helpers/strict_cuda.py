@@ -67,9 +67,8 @@ class StrictEvent:
             cuda.violation(f"an event recorded on {stream!r}, not on a device's stream (the current device's stream, "
                            "whichever that is)")
             return
-        if cuda.fail_records:
-            cuda.fail_records -= 1
-            raise RuntimeError("CUDA error: an injected failure to record an event")
+        if cuda.fail_records_in and sys._getframe(1).f_code.co_name == cuda.fail_records_in:
+            raise RuntimeError(f"CUDA error: an injected failure to record an event in {cuda.fail_records_in}()")
         if stream.index != cuda.rank_device:
             cuda.violation(f"an event recorded on {stream!r}: the rank's device is cuda:{cuda.rank_device}")
         if self.device is not None and self.device != stream.index:
@@ -102,7 +101,7 @@ class StrictCuda(cuda_api.Cuda):
         self.violations: list[str] = []
         self.holding = False            # events recorded now complete only at release()
         self.held: list[StrictEvent] = []
-        self.fail_records = 0           # the next N event records raise
+        self.fail_records_in = ""       # event records made by the function of this name raise
         self.touched: list[tuple[str, int]] = []   # (thread name, device) of every device-current call
         self._local = threading.local()
         self._host: weakref.WeakSet = weakref.WeakSet()

@@ -47,9 +47,9 @@ __all__ = ["RankscopeCallback", "GRAD_NORM_KEYS"]
 # Logged metrics read as the step's gradient norm, when the LightningModule logs one:
 # ``self.log("grad_norm", ...)``, or ``self.log_dict(lightning.pytorch.utilities.grad_norm(self, 2))``.
 GRAD_NORM_KEYS = ("grad_norm", "grad_2.0_norm_total")
-# Reading Lightning's callback_metrics rebuilds them from every logged value (30-100 us a step): a
-# module that logged no gradient norm in its first GRAD_NORM_PROBE_STEPS steps is asked again only
-# every GRAD_NORM_RECHECK_EVERY steps (one that starts logging later is found then).
+# The logged values are looked up in the training loop's result collection (a dict per logged
+# name): a module that logged no gradient norm in its first GRAD_NORM_PROBE_STEPS steps is asked
+# again only every GRAD_NORM_RECHECK_EVERY steps (one that starts logging later is found then).
 GRAD_NORM_PROBE_STEPS = 16
 GRAD_NORM_RECHECK_EVERY = 64
 
@@ -164,22 +164,22 @@ class RankscopeCallback(Callback):
 
     def _logged_grad_norm(self, trainer) -> Any:
         """The gradient norm the module logged in this step, if it logs one (Lightning computes
-        none by itself). Lightning keeps a value that was not logged again: the same object as
-        the one read last is that stale entry, not this step's."""
+        none by itself), as the tensor it logged: never through ``trainer.callback_metrics``,
+        which rebuilds the progress bar's values with ``.item()`` (a device sync a step on a GPU).
+        Lightning keeps a value that was not logged again: the same object as the one read last
+        is that stale entry, not this step's."""
         self._grad_norm_asks += 1
         if (not self._grad_norm_logged and self._grad_norm_asks > GRAD_NORM_PROBE_STEPS
                 and self._grad_norm_asks % GRAD_NORM_RECHECK_EVERY):
             return None
-        metrics = trainer.callback_metrics
-        for key in GRAD_NORM_KEYS:
-            value = metrics.get(key)
-            if value is not None:
-                self._grad_norm_logged = True
-                if value is self._last_grad_norm:
-                    return None
-                self._last_grad_norm = value
-                return value
-        return None
+        value = _logged_on_step(trainer, GRAD_NORM_KEYS)
+        if value is None:
+            return None
+        self._grad_norm_logged = True
+        if value is self._last_grad_norm:
+            return None
+        self._last_grad_norm = value
+        return value
 
     @guarded
     def on_exception(self, trainer, pl_module, exception):
@@ -208,3 +208,17 @@ class RankscopeCallback(Callback):
     def on_train_end(self, trainer, pl_module):
         if self.steps is not None:
             self.steps.between_steps()
+
+
+def _logged_on_step(trainer: Any, names: tuple[str, ...]) -> Any:
+    """The value last logged on step under one of ``names`` in the running loop's results
+    (Lightning's ``_ResultCollection``: logged name -> ``_ResultMetric``, whose ``_forward_cache``
+    is the logged tensor, as logged), or None. Reads no tensor."""
+    results = getattr(trainer, "_results", None)
+    if not results:
+        return None
+    for metric in list(results.values()):
+        meta = getattr(metric, "meta", None)
+        if meta is not None and meta.name in names and meta.on_step and not getattr(metric, "has_reset", False):
+            return metric._forward_cache
+    return None
