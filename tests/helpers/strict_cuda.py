@@ -11,7 +11,9 @@ double fails the test (``violations``, checked when its block ends) when:
 * the training thread makes a blocking call: ``synchronize``,
   ``Event.synchronize``, or, from rankscope's code (directly or through a
   framework's), ``.item()``, ``.tolist()``, ``.cpu()``, ``bool()``/``float()``
-  of a device tensor, or a copy to the host without ``non_blocking``;
+  of a device tensor, a copy into a host buffer or ``.to("cpu")`` without
+  ``non_blocking`` (the nearest caller outside torch and the frameworks is
+  blamed: a framework's own sync in its own loop is not rankscope's);
 * an event is recorded on a stream of another device than the rank's, or
   re-recorded on another device than its first;
 * ``elapsed_time`` is read on an event that has not completed (it would wait).
@@ -39,7 +41,8 @@ from rankscope.device import cuda as cuda_api
 RANKSCOPE_DIRS = tuple(str(Path(p).resolve()) for p in rankscope.__path__)
 # Frames skipped when looking for whose code made a blocking call: the libraries rankscope calls
 # into, and this double. The first frame left is the caller that is to blame.
-LIBRARY_PARTS = ("/torch/", "/lightning/", "/pytorch_lightning/", "/lightning_fabric/", "/transformers/",
+LIBRARY_PARTS = ("/torch/", "/lightning/", "/pytorch_lightning/", "/lightning_fabric/", "/lightning_utilities/",
+                 "/transformers/",
                  "/accelerate/", "/torchtitan/", "/contextlib.py", "/functools.py", "/threading.py")
 BLOCKING = frozenset({"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__",
                       "__complex__", "synchronize"})
@@ -244,7 +247,9 @@ class BlockingCallCheck(TorchFunctionMode):
         if name == "copy_" and len(args) >= 2 and not kwargs.get("non_blocking", False):
             blocking = isinstance(args[0], torch.Tensor) and self.cuda.is_host(args[0])
         elif name == "to" and not kwargs.get("non_blocking", False):
-            blocking = any(str(a).startswith("cpu") for a in list(args[1:]) + [kwargs.get("device", "")])
+            # Only a literal "cpu": a torch.device taken from a tensor (torch's own clip_grad_norm_
+            # moves its result to the gradients' device) is the GPU's on a GPU, the host's here.
+            blocking = any(isinstance(a, str) and a.startswith("cpu") for a in list(args[1:]) + [kwargs.get("device")])
         if blocking and args and isinstance(args[0], torch.Tensor) and self.cuda.device_of(args[0]) is not None:
             culprit = _rankscope_caller()
             if culprit:
@@ -253,13 +258,22 @@ class BlockingCallCheck(TorchFunctionMode):
 
 
 def _rankscope_caller() -> str:
-    """'file:line in function' of the nearest frame outside the libraries, if it is rankscope's."""
+    """'file:line in function' of the nearest frame outside the libraries, if it is rankscope's.
+
+    rankscope's wrappers that run a framework's own function in its place are named
+    ``rankscope_<function>`` (the HF adapter's ``rankscope_training_step``): what that function
+    does below them is the framework's, not rankscope's."""
     frame = sys._getframe(2)
+    through_library = False
     while frame is not None:
         path = frame.f_code.co_filename
-        if path != __file__ and not any(part in path for part in LIBRARY_PARTS):
-            if path.startswith(RANKSCOPE_DIRS):
-                return f"{Path(path).name}:{frame.f_lineno} in {frame.f_code.co_name}"
+        if path == __file__ or any(part in path for part in LIBRARY_PARTS):
+            through_library = True
+        elif path.startswith(RANKSCOPE_DIRS):
+            if through_library and frame.f_code.co_name.startswith("rankscope_"):
+                return ""
+            return f"{Path(path).name}:{frame.f_lineno} in {frame.f_code.co_name}"
+        else:
             return ""
         frame = frame.f_back
     return ""
