@@ -5,7 +5,8 @@ user's code alone would and one under ``monitor.watch()``, with the comm hook
 (``comm_timing=hook``: on CUDA the default). After every step their gradients,
 and after the last their weights, must be equal bit for bit, wherever DDP's
 group is not the world (``process_group=``, a group of three whose 1/3 is not
-exact in binary, one dim of a 2-D device mesh), with the user's own comm hook
+exact in binary, one dim of a 2-D device mesh), with and without
+``gradient_as_bucket_view``, with the user's own comm hook (bf16, torch's fp16)
 registered before or after ``watch()``, and for an FSDP1 model.
 """
 
@@ -23,6 +24,9 @@ EXPECTED = {
     "world": "hook",
     "hook_before": "reducer", # DDP takes one hook: the user's stays, DDP's own timers time it
     "hook_after": "hook",     # the user's hook runs inside rankscope's, timed
+    "fp16_after": "hook",     # torch's fp16_compress_hook, registered after watch()
+    "view_pair": "hook",      # gradient_as_bucket_view=True: DDP divides the bucket in place from step 2
+    "view_odd": "hook",       # ... over a group of three, where dividing and multiplying by 1/3 differ
     "fsdp1": "off",           # not a DDP: read through the flight recorder, never hooked
 }
 
@@ -45,7 +49,8 @@ def test_a_watched_job_trains_to_the_same_weights_bit_for_bit(results, scenario)
         assert r["strategy"] == EXPECTED[scenario], (rank, r)
 
 
-@pytest.mark.parametrize("scenario", ["subgroup", "odd_group", "mesh_dim", "hook_after"])
+@pytest.mark.parametrize("scenario", ["subgroup", "odd_group", "mesh_dim", "hook_after", "fp16_after", "view_pair",
+                                      "view_odd"])
 def test_the_hook_times_every_bucket_of_every_step(results, scenario):
     """Timed, not just harmless: at least one all-reduce per step and rank (more once
     DDP has rebuilt its buckets), the user's own hook included."""

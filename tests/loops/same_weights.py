@@ -19,6 +19,9 @@ SCENARIO (4 ranks)
   world           DDP over the whole world
   hook_before     the user's own comm hook (bf16 compression) registered before watch()
   hook_after      the user's own comm hook registered after watch()
+  fp16_after      torch's fp16_compress_hook registered after watch()
+  view_pair       as subgroup, with gradient_as_bucket_view=True (DDP divides in place from step 2)
+  view_odd        as odd_group, with gradient_as_bucket_view=True
   fsdp1           an FSDP1 (FullyShardedDataParallel) model under watch()
 
 RANKSCOPE_COMM_TIMING picks the strategy for every scenario (default: hook).
@@ -36,7 +39,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rankscope import Monitor
 
-SCENARIOS = ("subgroup", "odd_group", "mesh_dim", "world", "hook_before", "hook_after", "fsdp1")
+SCENARIOS = ("subgroup", "odd_group", "mesh_dim", "world", "hook_before", "hook_after", "fp16_after", "view_pair",
+             "view_odd", "fsdp1")
 
 
 def make_model() -> nn.Module:
@@ -59,18 +63,20 @@ def bf16_hook(state, bucket):
 def wrap(scenario: str, model: nn.Module, rank: int):
     """The scenario's parallel wrapper, built the same way for both copies."""
     world = dist.get_world_size()
-    if scenario == "subgroup":
+    view = scenario.startswith("view_")
+    if scenario in ("subgroup", "view_pair"):
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        return DDP(model, process_group=groups[rank // 2], bucket_cap_mb=0.01)
-    if scenario == "odd_group":
+        return DDP(model, process_group=groups[rank // 2], bucket_cap_mb=0.01, gradient_as_bucket_view=view)
+    if scenario in ("odd_group", "view_odd"):
         groups = [dist.new_group([0, 1, 2]), dist.new_group([3])]
-        return DDP(model, process_group=groups[0 if rank < 3 else 1], bucket_cap_mb=0.01)
+        return DDP(model, process_group=groups[0 if rank < 3 else 1], bucket_cap_mb=0.01,
+                   gradient_as_bucket_view=view)
     if scenario == "mesh_dim":
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
         return DDP(model, device_mesh=mesh["dp"], bucket_cap_mb=0.01)
-    if scenario in ("world", "hook_before", "hook_after"):
+    if scenario in ("world", "hook_before", "hook_after", "fp16_after"):
         ddp = DDP(model, bucket_cap_mb=0.01)
         if scenario == "hook_before":
             ddp.register_comm_hook(ddp.process_group, bf16_hook)
@@ -90,9 +96,11 @@ def run(scenario: str, steps: int, rank: int) -> dict:
                       comm_timing=os.environ.get("RANKSCOPE_COMM_TIMING", "hook"))
     try:
         watched = monitor.watch(watched)
-        if scenario == "hook_after":
+        if scenario in ("hook_after", "fp16_after"):
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
             for ddp in (bare, watched):
-                ddp.register_comm_hook(ddp.process_group, bf16_hook)
+                ddp.register_comm_hook(ddp.process_group, bf16_hook if scenario == "hook_after" else fp16_compress_hook)
         opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (bare, watched)]
         equal_grads = True
         for x, y in data:
@@ -111,7 +119,9 @@ def run(scenario: str, steps: int, rank: int) -> dict:
                                for a, b in zip(*grads))
             for opt in opts:
                 opt.step()
-                opt.zero_grad()
+                # With gradient_as_bucket_view, gradients kept (not set to None) stay views of DDP's
+                # buckets, which DDP then divides in place: the path whose last bits could differ.
+                opt.zero_grad(set_to_none=not scenario.startswith("view_"))
         pairs = list(zip(bare.parameters(), watched.parameters()))
         monitor.publisher.flush()
         timed = sum(b.get() for b in monitor.metrics.collective("all_reduce").duration._buckets)

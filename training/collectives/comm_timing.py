@@ -29,8 +29,9 @@ checks the weights bit for bit):
 * it reduces over the model's own process group (``process_group=`` or
   ``device_mesh=``, read when each bucket is reduced), never the world, and
   scales each bucket exactly as DDP's built-in reduction does (a multiply by
-  the reciprocal of the group's size, not a division: the two differ in the
-  last bit for group sizes that are not powers of two);
+  the reciprocal of the group's size, or a division where DDP divides:
+  ``allreduce_like_ddp``; the two differ in the last bit for group sizes that
+  are not powers of two);
 * DDP takes one comm hook per model. A model that already has one (the
   user's PowerSGD or bf16 compression, DDP's own for ``mixed_precision=``)
   is timed by DDP's timers instead (said once); a hook the user registers
@@ -99,9 +100,19 @@ class HookTiming(CommTiming):
         self.last_launch = 0.0        # perf_counter of the step's latest bucket launch (CPU clock)
         self.last_device_span: Any = None
         self.inner: tuple[Callable, Any] | None = None   # (hook, state) the user registers after watch()
+        # gradient_as_bucket_view=True: whether the gradients were DDP's bucket views when the
+        # step's forward began (kept, not set to None), so that DDP would divide them in place.
+        self.views_kept = False
 
     def attach(self, model: Any) -> None:
         super().attach(model)
+        if getattr(model, "gradient_as_bucket_view", False):
+            first = next((p for p in model.parameters() if p.requires_grad), None)
+            if first is not None:
+                def note_views(module: Any, args: Any) -> None:
+                    self.views_kept = first.grad is not None
+
+                model.register_forward_pre_hook(note_views)
         model.register_comm_hook(model.process_group, ddp_timing_hook(self))
         model._rankscope_hook_timing = self
         # DDP takes one hook: one registered later becomes the hook the timing hook runs.
@@ -286,16 +297,23 @@ def _builtin_after_watch(comm_hook_type: Any) -> None:
                        "which rankscope's runs and times.")
 
 
-def allreduce_like_ddp(model: Any, bucket: Any) -> Any:
+def allreduce_like_ddp(model: Any, bucket: Any, divide: bool = False) -> Any:
     """What DDP does with a bucket when it has no hook: scale by 1 / the size of the model's
-    group, then sum over that group. The reciprocal multiply is DDP's built-in one (its
-    reducer scales by a wrapped scalar 1.0 / size while copying gradients into the bucket),
-    so the result is the same to the last bit. The future's value is ``[bucket]``."""
+    group, then sum over that group, scaling as DDP's reducer does so that the result is the
+    same to the last bit: it multiplies by a wrapped scalar 1.0 / size while copying gradients
+    into the bucket, but divides in place gradients that already are views of the bucket
+    (``gradient_as_bucket_view=True`` once DDP made them so, and the loop keeps them rather than
+    setting them to None). On the host the two differ in the last bit for group sizes that are
+    not powers of two. ``divide``: the gradients were such views when this backward began
+    (``HookTiming.views_kept``). The future's value is ``[bucket]``."""
     import torch.distributed as dist
 
     group = model.process_group   # read now: DDP's _update_process_group may have replaced it
     buf = bucket.buffer()
-    buf.mul_(1.0 / group.size())
+    if divide:
+        buf.div_(group.size())
+    else:
+        buf.mul_(1.0 / group.size())
     return dist.all_reduce(buf, group=group, async_op=True).get_future()
 
 
@@ -329,7 +347,7 @@ def ddp_timing_hook(timing: HookTiming):
             on_error()
         timing.last_device_span = span
         # The user's hook returns a future of the bucket; DDP's all-reduce one of [bucket].
-        fut = allreduce_like_ddp(model, bucket) if inner is None else inner[0](inner[1], bucket)
+        fut = allreduce_like_ddp(model, bucket, timing.views_kept) if inner is None else inner[0](inner[1], bucket)
         unwrap = inner is None
 
         def done(f):
