@@ -8,8 +8,8 @@ adapters benchmark's model) with ``RankscopeCallback(monitor=m)``, each of whose
 hooks is wrapped to add up the wall time spent inside it. Hooks run between the
 step's own torch work, with cold caches: the figure is what the hook costs there,
 not in a tight loop. ``--log-grad-norm``: the module logs ``grad_norm(self, 2)``
-in ``on_before_optimizer_step`` (as Lightning's docs show), so the callback reads
-Lightning's ``callback_metrics`` every step.
+in ``on_before_optimizer_step`` (as Lightning's docs show), so the callback looks
+the logged norm up in Lightning's results every step.
 
 Prints microseconds per step for each hook, their sum, and the sum as a share of
 the measured step.

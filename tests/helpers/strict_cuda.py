@@ -28,7 +28,6 @@ import contextlib
 import sys
 import threading
 import time
-import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -107,7 +106,9 @@ class StrictCuda(cuda_api.Cuda):
         self.fail_records_in = ""       # event records made by the function of this name raise
         self.touched: list[tuple[str, int]] = []   # (thread name, device) of every device-current call
         self._local = threading.local()
-        self._host: weakref.WeakSet = weakref.WeakSet()
+        # The pinned buffers handed out, by id, kept alive so that no id is reused (a WeakSet's
+        # lookup would compare tensors with ==).
+        self._host: dict[int, Any] = {}
         self._streams: dict[int, StrictStream] = {}
         self._lock = threading.Lock()
 
@@ -163,14 +164,14 @@ class StrictCuda(cuda_api.Cuda):
             self.violation(f"{what} on the training thread waits for the device{where}")
 
     def is_host(self, tensor: Any) -> bool:
-        return tensor in self._host
+        return id(tensor) in self._host
 
     # -- rankscope.device.cuda.Cuda ----------------------------------------------------------
     def available(self) -> bool:
         return True
 
     def device_of(self, tensor: Any) -> int | None:
-        if not isinstance(tensor, torch.Tensor) or tensor in self._host:
+        if not isinstance(tensor, torch.Tensor) or id(tensor) in self._host:
             return None
         return self.tensor_device
 
@@ -210,11 +211,11 @@ class StrictCuda(cuda_api.Cuda):
 
     def pinned_scalar(self, dtype: Any) -> Any:
         host = torch.empty((), dtype=dtype)
-        self._host.add(host)
+        self._host[id(host)] = host
         return host
 
     def copy_to_host(self, host: Any, tensor: Any) -> None:
-        if host not in self._host:
+        if id(host) not in self._host:
             self.violation("copy_to_host() into a tensor that is not a pinned host buffer: it would block")
         with torch._C.DisableTorchFunction():
             host.copy_(tensor.detach())
