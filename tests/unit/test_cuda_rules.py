@@ -9,18 +9,16 @@ the defect it caught before its fix (issue 44's findings).
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import socketserver
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from rankscope.collectives.process_groups import FlightRecorderSource, ProcessGroupMetrics, ProcessGroupReader
+from rankscope.collectives.process_groups import FlightRecorderSource, ProcessGroupReader
 from rankscope.device.rank_device import RankDevice
 from tests.helpers.jobs import free_port
 from tests.helpers.strict_cuda import StrictCuda, in_thread
