@@ -2,7 +2,7 @@
 # The GPU check in one command, on a machine with one NVIDIA GPU and no network, from the
 # repository root with .whl/ carried along (bash tests/gpu/prepare.sh makes it):
 #
-#   bash tests/gpu/run.sh            # ~3 min; figures on stdout and in $OUT/gpu-check.json
+#   bash tests/gpu/run.sh            # ~5 min (estimated); figures on stdout and in $OUT/gpu-check.json
 #
 # What it proves, and the figures of the last run: docs/performance.md, "On a GPU".
 set -uo pipefail

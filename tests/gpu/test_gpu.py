@@ -138,7 +138,9 @@ def no_sync_allowed():
             setattr(owner, attr, saved[key])
 
 
-def instrumented_step(monitor, model, opt, x, y) -> None:
+def instrumented_step(monitor, model, opt, x, y, lr=None, gauge=None) -> None:
+    """``lr``: a device tensor to observe instead of the optimizer's float; ``gauge``: a user
+    gauge set from a device tensor each step."""
     with monitor.step(samples=len(x)) as step:
         with step.phase("forward"):
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -148,24 +150,28 @@ def instrumented_step(monitor, model, opt, x, y) -> None:
             norms = [p.grad.norm() for p in model.parameters()]   # a list of device norms, as per-group clipping gives
             opt.step()
             opt.zero_grad(set_to_none=True)
-        step.observe(loss=loss, grad_norm=norms, lr=opt.param_groups[0]["lr"])
+        step.observe(loss=loss, grad_norm=norms, lr=opt.param_groups[0]["lr"] if lr is None else lr)
+    if gauge is not None:
+        gauge.set(loss.detach() * 2)
 
 
-# -- 1. all-reduce durations against an independent clock ---------------------------------
+# -- 1. collective durations against an independent clock -----------------------------------
 
-def test_all_reduce_durations_against_an_independent_clock(nccl_group):
+def test_collective_durations_against_an_independent_clock(nccl_group):
+    """Out-of-place all-gathers: at world size 1 NCCL's in-place all-reduce does no device work
+    (ncclLaunchOneRank copies only out of place), so an all-reduce would compare nothing. An
+    out-of-place all-gather is a device-to-device copy of the input: CUPTI records it (a memcpy
+    or an NCCL kernel), and the host clock over back-to-back calls sees it."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     dist = nccl_group
     rows = []
     with open_monitor(device=DEVICE, backend="nccl") as monitor:
-        for numel in (1 << 12, 1 << 20, 1 << 24, 1 << 26):   # 16 KiB .. 256 MiB of float32
-            t = torch.ones(numel, device=DEVICE)
-            # At world size 1 NCCL may do little or no device work for an in-place all-reduce:
-            # the clocks are compared only where the host clock shows real work (>= 100 us a call).
+        for numel in (1 << 12, 1 << 20, 1 << 24, 1 << 26, 1 << 27):   # 16 KiB .. 512 MiB of float32
+            inp, out = torch.ones(numel, device=DEVICE), torch.empty(numel, device=DEVICE)
             for _ in range(3):
-                dist.all_reduce(t)
+                dist.all_gather_into_tensor(out, inp)
             torch.cuda.synchronize()
             monitor.tracker.poll_device()
             monitor.tracker.drain()
@@ -174,42 +180,53 @@ def test_all_reduce_durations_against_an_independent_clock(nccl_group):
                 torch.cuda.synchronize()
                 host_start = time.perf_counter()
                 for _ in range(n):
-                    with monitor.collective("all_reduce", t):
-                        dist.all_reduce(t)
+                    with monitor.collective("all_gather", out):
+                        dist.all_gather_into_tensor(out, inp)
                 torch.cuda.synchronize()
                 host_per_call = (time.perf_counter() - host_start) / n
-            monitor.tracker.poll_device()
+            with monitor.device.on_device():
+                monitor.tracker.poll_device()
             recorded = [r.duration for r in monitor.tracker.drain()]
-            kernels = [e.time_range.elapsed_us() / 1e6 for e in prof.events()
-                       if e.device_type == DeviceType.CUDA and "nccl" in e.name.lower()]
+            device_work = [e for e in prof.events() if e.device_type == DeviceType.CUDA
+                           and ("nccl" in e.name.lower() or "memcpy" in e.name.lower())]
+            spans = [e.time_range.elapsed_us() / 1e6 for e in device_work]
             assert len(recorded) == n, (numel, len(recorded))
-            kernel = statistics.median(kernels) if kernels else math.nan
+            kernel = statistics.median(spans) if spans else math.nan
             rankscope = statistics.median(recorded)
-            rows.append({"bytes": numel * 4, "rankscope_us": rankscope * 1e6, "kernel_us": kernel * 1e6,
-                         "kernels_seen": len(kernels), "host_per_call_us": host_per_call * 1e6,
-                         "ratio_to_kernel": rankscope / kernel if kernels else None,
-                         "ratio_to_host": statistics.fmean(recorded) / host_per_call})
-    record("all_reduce_timing", rows)
-    for row in rows:
-        if row["host_per_call_us"] >= 100:   # real device work: both clocks must agree with the events
-            assert 0.85 <= row["ratio_to_host"] <= 1.15, row
-            if row["kernels_seen"]:
-                assert 0.9 <= row["ratio_to_kernel"] <= 1.3, row
+            rows.append({"bytes": numel * 4, "rankscope_us": rankscope * 1e6, "device_work_us": kernel * 1e6,
+                         "device_work_seen": len(spans), "names": sorted({e.name for e in device_work})[:3],
+                         "host_per_call_us": host_per_call * 1e6,
+                         "ratio_to_device_work": rankscope / kernel if spans else None,
+                         "ratio_to_host": statistics.fmean(recorded) / host_per_call,
+                         "compared": host_per_call * 1e6 >= 100})
+    record("all_gather_timing", rows)
+    compared = [row for row in rows if row["compared"]]
+    assert compared, rows   # at least one size did real device work: the check compared something
+    for row in compared:
+        assert 0.85 <= row["ratio_to_host"] <= 1.15, row
+        assert row["device_work_seen"], row
+        assert 0.9 <= row["ratio_to_device_work"] <= 1.3, row
 
 
 # -- 2. a full instrumented DDP step: no sync, no telemetry fault ---------------------------
 
-@pytest.mark.parametrize("device_given", [True, False], ids=["Monitor(device)", "Monitor()"])
+@pytest.mark.parametrize("device_given", ["cuda:0", "cuda", None],
+                         ids=["Monitor(device=cuda:0)", "Monitor(device=cuda)", "Monitor()"])
 def test_an_instrumented_ddp_step_adds_no_sync(nccl_group, device_given):
+    """With the device given, given without an index (resolved at the first step: a Monitor made
+    before set_device), and learnt from the model; a CUDA lr and a user gauge set from a device
+    tensor each step."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    options = {"device": DEVICE} if device_given else {}
+    options = {"device": device_given} if device_given else {}
     with open_monitor(backend="nccl", memory_every_s=0.05, **options) as monitor:
         model = monitor.watch(DDP(model_1k(), device_ids=[0]))
         assert monitor.device.cuda and monitor.device.index == 0   # Monitor(): learnt from the model
         assert monitor.comm.mode == "hook"                          # comm_timing=auto on CUDA
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         x, y = torch.randn(256, 1024, device=DEVICE), torch.randn(256, 1024, device=DEVICE)
+        lr = torch.full((), 1e-3, device=DEVICE)        # a scheduler's lr kept on the device
+        gauge = monitor.gauge("doubled_loss", "The loss, doubled")
         for _ in range(2):   # DDP's first steps rebuild buckets and may synchronise: not ours to judge
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
@@ -218,7 +235,7 @@ def test_an_instrumented_ddp_step_adds_no_sync(nccl_group, device_given):
         steps = 50
         with no_sync_allowed() as syncs:
             for _ in range(steps):
-                instrumented_step(monitor, model, opt, x, y)
+                instrumented_step(monitor, model, opt, x, y, lr=lr, gauge=gauge)
             time.sleep(0.5)   # the publisher thread reads events, values and memory meanwhile
         torch.cuda.synchronize()
         deadline = time.time() + 5
@@ -230,13 +247,15 @@ def test_an_instrumented_ddp_step_adds_no_sync(nccl_group, device_given):
         timed = sum(b.get() for b in m.collective("all_reduce").duration._buckets)
         figures = {"syncs": dict(syncs), "faults": telemetry_faults(monitor), "steps": m.steps._value.get(),
                    "timed_buckets": timed, "phases_s": phases, "loss": m.loss._value.get(),
-                   "grad_norm": m.grad_norm._value.get(), "lr": m.lr._value.get()}
-        record(f"ddp_step_{'device' if device_given else 'no_device'}", figures)
+                   "grad_norm": m.grad_norm._value.get(), "lr": m.lr._value.get(),
+                   "gauge": gauge._children[()]._value.get()}
+        record(f"ddp_step_{device_given or 'no_device'}", figures)
         assert sum(syncs.values()) == 0, syncs
         assert figures["faults"] == {}, figures["faults"]
         assert figures["steps"] >= steps and timed >= steps
         assert phases["forward"] > 0 and phases["backward"] + phases["comm_wait"] > 0 and phases["optimizer"] > 0
         assert figures["loss"] > 0 and figures["grad_norm"] > 0 and figures["lr"] == pytest.approx(1e-3)
+        assert figures["gauge"] == pytest.approx(2 * figures["loss"], rel=1e-5)   # the last step's, read later
         info = monitor.registration.info or {}
         assert info.get("device") == "cuda:0" and info.get("gpu_uuid", "").startswith(("GPU-", "MIG-")), info
 
@@ -397,7 +416,8 @@ def test_fsdp2_and_explicit_collectives_are_counted_from_the_nccl_recorder(nccl_
     with open_monitor(device=DEVICE, backend="nccl") as monitor:
         reader = monitor.process_groups
         assert "nccl" in reader.cursors, reader.cursors
-        reader._timing = True   # durations too (RANKSCOPE_COLLECTIVE_TIMING=1)
+        side = dist.new_group([0])   # a sub-group, as tensor or pipeline parallelism creates
+        reader._timing = True   # durations too (RANKSCOPE_COLLECTIVE_TIMING=1), on every group from now on
         reader.poll()
         model = model_1k()
         for layer in model:
@@ -406,7 +426,6 @@ def test_fsdp2_and_explicit_collectives_are_counted_from_the_nccl_recorder(nccl_
         model = monitor.watch(fully_shard(model))
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         x, y = torch.randn(256, 1024, device=DEVICE), torch.randn(256, 1024, device=DEVICE)
-        side = dist.new_group([0])   # a sub-group, as tensor or pipeline parallelism creates
 
         def counts() -> dict[str, float]:
             reader.poll(final=True)
@@ -420,10 +439,22 @@ def test_fsdp2_and_explicit_collectives_are_counted_from_the_nccl_recorder(nccl_
         opt.step()
         torch.cuda.synchronize()
         before = counts()
+
+        def durations() -> float:
+            return sum(sum(b.get() for b in child._buckets) for child in reader._m._durations.values())
+
+        timed_before = durations()
         expected: dict[str, int] = {}
+        fsdp2_own: dict[str, int] = {}
+
+        def add(into: dict[str, int], cdm) -> None:
+            for op, n in cdm.get_comm_counts().items():
+                key = "nccl:" + op_of("cdm:" + str(op).split(".")[-1])
+                into[key] = into.get(key, 0) + n
+
         with no_sync_allowed() as syncs:
             for _ in range(10):
-                with CommDebugMode() as cdm:
+                with CommDebugMode() as step_cdm:
                     with monitor.step(samples=256) as step:
                         with step.phase("forward"):
                             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -432,28 +463,41 @@ def test_fsdp2_and_explicit_collectives_are_counted_from_the_nccl_recorder(nccl_
                         with step.phase("optimizer"):
                             opt.step()
                             opt.zero_grad(set_to_none=True)
+                with CommDebugMode() as side_cdm:
                     out = torch.empty(2048, device=DEVICE)
                     dist.all_gather_into_tensor(out, torch.ones(2048, device=DEVICE), group=side)
                     dist.reduce_scatter_tensor(torch.empty(2048, device=DEVICE), out, group=side)
-                for op, n in cdm.get_comm_counts().items():
-                    key = "nccl:" + op_of("cdm:" + str(op).split(".")[-1])
-                    expected[key] = expected.get(key, 0) + n
+                add(fsdp2_own, step_cdm)
+                add(expected, step_cdm)
+                add(expected, side_cdm)
                 reader.poll()   # the reader's work must not synchronise either
         torch.cuda.synchronize()
-        time.sleep(1.0)   # NCCL's watchdog writes durations when it sees the work done
+        # Read at once: the newest entries are completed in the read's copy of the ring but not yet
+        # retired by NCCL's watchdog, which writes their durations; each must get it later.
         after = counts()
+        pending_at_once = len(reader.cursors["nccl"].pending_duration)
+        t0 = time.perf_counter()
+        while reader.cursors["nccl"].pending_duration and time.perf_counter() - t0 < 15:
+            time.sleep(0.2)
+            counts()
+        waited_s = time.perf_counter() - t0
         seen = {op: after[op] - before.get(op, 0) for op in after if after[op] - before.get(op, 0)}
-        timed = sum(sum(b.get() for b in child._buckets) for child in reader._m._durations.values())
+        timed = durations() - timed_before
         dumps = dump_flight_recorder(tmp_path, 0)
         dumped = pickle.loads(dumps[0].read_bytes()) if dumps else {}
         nccl_entries = [e for e in dumped.get("entries", []) if str(e.get("profiling_name", "")).startswith("nccl:")]
-        record("fsdp2_nccl_recorder", {"rankscope": seen, "CommDebugMode": expected, "durations": timed,
-                                       "syncs": dict(syncs), "dump": [p.name for p in dumps],
-                                       "dump_nccl_entries": len(nccl_entries)})
+        record("fsdp2_nccl_recorder", {
+            "rankscope": seen, "CommDebugMode": expected, "fsdp2_own_collectives": fsdp2_own,
+            "fsdp2_note": ("FSDP2 issued no collective of its own at world size 1 (torch skips them): its "
+                           "counting is shown only by a job on 2+ GPUs" if not fsdp2_own else "FSDP2's own counted"),
+            "durations": timed,
+            "pending_durations_right_after_synchronize": pending_at_once, "waited_for_retirement_s": waited_s,
+            "syncs": dict(syncs), "dump": [p.name for p in dumps], "dump_nccl_entries": len(nccl_entries)})
     assert expected.get("nccl:all_gather", 0) >= 10 and expected.get("nccl:reduce_scatter", 0) >= 10, expected
     assert seen == expected, (seen, expected)
     assert sum(syncs.values()) == 0, syncs
-    assert timed >= sum(expected.values()) - 4   # the last few may still await the watchdog
+    assert not reader.cursors["nccl"].pending_duration          # every entry read was retired meanwhile
+    assert timed >= sum(expected.values()), (timed, expected)    # ... each with its duration
     assert dumps and dumps[0].name == "nccl_trace_rank_0" and nccl_entries
 
 

@@ -42,7 +42,7 @@ RANKSCOPE_DIRS = tuple(str(Path(p).resolve()) for p in rankscope.__path__)
 # into, and this double. The first frame left is the caller that is to blame.
 LIBRARY_PARTS = ("/torch/", "/lightning/", "/pytorch_lightning/", "/lightning_fabric/", "/lightning_utilities/",
                  "/transformers/",
-                 "/accelerate/", "/torchtitan/", "/contextlib.py", "/functools.py", "/threading.py")
+                 "/accelerate/", "/torchtitan/", "/contextlib.py", "/functools.py", "/threading.py", "/warnings.py")
 BLOCKING = frozenset({"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__",
                       "__complex__", "synchronize"})
 
@@ -252,19 +252,19 @@ class BlockingCallCheck(TorchFunctionMode):
             # moves its result to the gradients' device) is the GPU's on a GPU, the host's here.
             blocking = any(isinstance(a, str) and a.startswith("cpu") for a in list(args[1:]) + [kwargs.get("device")])
         if blocking and args and isinstance(args[0], torch.Tensor) and self.cuda.device_of(args[0]) is not None:
-            culprit = _rankscope_caller()
+            culprit = rankscope_caller(sys._getframe(1))
             if culprit:
                 self.cuda.blocking(f"{name}() of a device tensor", f", called from {culprit}")
         return func(*args, **kwargs)
 
 
-def _rankscope_caller() -> str:
-    """'file:line in function' of the nearest frame outside the libraries, if it is rankscope's.
+def rankscope_caller(frame: Any) -> str:
+    """'file:line in function' of the nearest frame from ``frame`` outwards that is outside the
+    libraries, if it is rankscope's (also used by tests/gpu, on sync-debug warnings).
 
     rankscope's wrappers that run a framework's own function in its place are named
     ``rankscope_<function>`` (the HF adapter's ``rankscope_training_step``): what that function
     does below them is the framework's, not rankscope's."""
-    frame = sys._getframe(2)
     through_library = False
     while frame is not None:
         path = frame.f_code.co_filename

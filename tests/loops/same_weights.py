@@ -22,6 +22,11 @@ SCENARIO (4 ranks)
   fp16_after      torch's fp16_compress_hook registered after watch()
   view_pair       as subgroup, with gradient_as_bucket_view=True (DDP divides in place from step 2)
   view_odd        as odd_group, with gradient_as_bucket_view=True
+  view_world      as world, with gradient_as_bucket_view=True
+
+``--device cuda``: the models and batches on the rank's GPU (cuda:<LOCAL_RANK % GPUs>; the
+GPU check runs two ranks on one GPU over gloo with CUDA tensors: the hook's arithmetic on
+the device, its buckets timed by CUDA events).
   fsdp1           an FSDP1 (FullyShardedDataParallel) model under watch()
 
 RANKSCOPE_COMM_TIMING picks the strategy for every scenario (default: hook).
@@ -40,17 +45,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from rankscope import Monitor
 
 SCENARIOS = ("subgroup", "odd_group", "mesh_dim", "world", "hook_before", "hook_after", "fp16_after", "view_pair",
-             "view_odd", "fsdp1")
+             "view_odd", "view_world", "fsdp1")
+DEVICE = torch.device("cpu")
 
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8)).to(DEVICE)
 
 
 def batches(steps: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1000 + rank)   # each rank its own data, as in data parallelism
-    return [(torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)) for _ in range(steps)]
+    return [(torch.randn(16, 32, generator=g).to(DEVICE), torch.randn(16, 8, generator=g).to(DEVICE))
+            for _ in range(steps)]
 
 
 def bf16_hook(state, bucket):
@@ -76,8 +83,8 @@ def wrap(scenario: str, model: nn.Module, rank: int):
 
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
         return DDP(model, device_mesh=mesh["dp"], bucket_cap_mb=0.01)
-    if scenario in ("world", "hook_before", "hook_after", "fp16_after"):
-        ddp = DDP(model, bucket_cap_mb=0.01)
+    if scenario in ("world", "hook_before", "hook_after", "fp16_after", "view_world"):
+        ddp = DDP(model, bucket_cap_mb=0.01, gradient_as_bucket_view=view)
         if scenario == "hook_before":
             ddp.register_comm_hook(ddp.process_group, bf16_hook)
         return ddp
@@ -92,7 +99,7 @@ def run(scenario: str, steps: int, rank: int) -> dict:
     data = batches(steps, rank)
     bare = wrap(scenario, make_model(), rank)
     watched = wrap(scenario, make_model(), rank)
-    monitor = Monitor(run=f"{os.environ['RANKSCOPE_RUN']}-{scenario}",
+    monitor = Monitor(run=f"{os.environ['RANKSCOPE_RUN']}-{scenario}", device=DEVICE,
                       comm_timing=os.environ.get("RANKSCOPE_COMM_TIMING", "hook"))
     try:
         watched = monitor.watch(watched)
@@ -123,6 +130,8 @@ def run(scenario: str, steps: int, rank: int) -> dict:
                 # buckets, which DDP then divides in place: the path whose last bits could differ.
                 opt.zero_grad(set_to_none=not scenario.startswith("view_"))
         pairs = list(zip(bare.parameters(), watched.parameters()))
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()   # the test's own wait: the buckets' events are then complete
         monitor.publisher.flush()
         timed = sum(b.get() for b in monitor.metrics.collective("all_reduce").duration._buckets)
         return {"equal_grads": equal_grads, "timed_all_reduces": timed,
@@ -137,7 +146,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenarios", nargs="+", choices=SCENARIOS)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
+    if args.device == "cuda":
+        global DEVICE
+        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(DEVICE)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
