@@ -137,6 +137,22 @@ def _hang_job(tmp: Path) -> Run:
         return Run(final_values(job), [], {}, {}, {}, page={"alert": page, "paged": paged_ranks})
 
 
+STRICT_STEPS = 3
+
+
+def _strict_job(tmp: Path) -> Run:
+    """A few steps under the strict double of rankscope's CUDA boundary (TITAN_STRICT_CUDA): every
+    tensor taken for one on cuda:1. Its violations, per rank, are the Run's ``logged``."""
+    job = _job(tmp, "--training.steps", str(STRICT_STEPS), "--debug.seed", "0", name="torchtitan-strict",
+               env={"TITAN_STRICT_CUDA": "1"})
+    with job:
+        job.start()
+        job.wait(timeout=420)
+        final = final_values(job)
+    violations = {rank: json.loads((job.out / f"rank{rank}.strict.json").read_text()) for rank in RANKS}
+    return Run(final, [], violations, {}, {})
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Run]:
     # Two jobs at a time (2 cores): the bare one starts once the hang has paged. Each timing check
@@ -145,7 +161,22 @@ def runs(tmp_path_factory) -> dict[str, Run]:
         main = pool.submit(_main_job, tmp_path_factory.mktemp("torchtitan-main"))
         hang = pool.submit(_hang_job, tmp_path_factory.mktemp("torchtitan-hang"))
         bare = pool.submit(_bare_job, tmp_path_factory.mktemp("torchtitan-bare"))
-        return {"main": main.result(), "hang": hang.result(), "bare": Run({}, [], bare.result(), {}, {})}
+        strict = pool.submit(_strict_job, tmp_path_factory.mktemp("torchtitan-strict"))
+        return {"main": main.result(), "hang": hang.result(), "bare": Run({}, [], bare.result(), {}, {}),
+                "strict": strict.result()}
+
+
+def test_the_adapter_under_the_strict_cuda_double_never_waits_or_strays(runs):
+    """Every tensor of the job taken for one on cuda:1 (tests/helpers/strict_cuda.py): nothing of
+    rankscope's, through the adapter's wrappers included, waits for the device on the training
+    thread or touches a device from a thread that did not set it; the steps and losses are
+    still published, through the device path."""
+    strict = runs["strict"]
+    for rank in RANKS:
+        assert strict.logged[rank] == [], (rank, strict.logged[rank])
+        assert value(strict, "rankscope_steps_total", rank) == STRICT_STEPS
+        assert value(strict, "rankscope_loss", rank) > 0
+        assert value(strict, "rankscope_grad_norm", rank) > 0
 
 
 @pytest.fixture(scope="module")

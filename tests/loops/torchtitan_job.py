@@ -34,6 +34,9 @@ What torchtitan itself saw, for the test to compare with (``LOOP_OUT``):
   its spans ``fwd_bwd``, ``optim``, ``fetching_batch``, ``checkpoint_save``, ``eval``.
 
 ``TITAN_WITHOUT_RANKSCOPE=1``: torchtitan's own ``main``, without rankscope.
+``TITAN_STRICT_CUDA=1``: rankscope's launcher under the strict double of its CUDA boundary
+(tests/helpers/strict_cuda.py; every tensor taken for one on cuda:1), whose violations go to
+``rank<N>.strict.json``.
 ``TITAN_HANG_RANK`` / ``TITAN_HANG_STEP``: that rank stops for good before that step's
 forward (a rank that hangs; its peer then waits in the next collective).
 """
@@ -165,6 +168,22 @@ if __name__ == "__main__":
         import torchtitan.train
 
         torchtitan.train.main()
+    elif os.environ.get("TITAN_STRICT_CUDA"):   # under the strict double of rankscope's CUDA boundary
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        from rankscope.integrations.torchtitan import main
+        from tests.helpers.strict_cuda import StrictCuda
+
+        cuda = StrictCuda(rank_device=1)
+        try:
+            with cuda:
+                cuda.set_device(1)
+                main()
+        except AssertionError:   # the violations, written below for the test to read
+            pass
+        finally:
+            (out / f"rank{rank}.strict.json").write_text(json.dumps(cuda.violations))
     else:
         from rankscope.integrations.torchtitan import main
 

@@ -440,3 +440,29 @@ def test_leaving_the_monitor_on_an_exception_is_failed(tmp_path, monkeypatch):
         finally:
             m.close()   # the usual try/finally: runs while the OOM propagates
     assert registration_of(m).exception == "OutOfMemoryError"
+
+
+# -- start-up never fails because of the exporter --------------------------------------------
+
+def test_an_exporter_port_that_never_answers_warns_and_the_rank_trains(tmp_path, monkeypatch, caplog):
+    """A node exporter stopped (SIGSTOP), hung or busy holds its port but answers nothing:
+    Monitor() once raised "metrics_port: cannot reach ...: timed out" and the job died. Now it
+    warns, and the rank writes its files for whichever exporter answers later."""
+    import socket
+
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)   # accepted by the kernel, never read: a stopped process's port
+        port = silent.getsockname()[1]
+        with caplog.at_level("WARNING", logger="rankscope"):
+            m = Monitor(exporter="auto", metrics_port=port, metrics_dir=tmp_path, run="silent-exporter",
+                        publish_interval_s=60)
+        try:
+            run_steps(m, 3, loss=1.0)
+            assert published(m)[("rankscope_steps_total",)] == 3
+        finally:
+            m.close()
+    warned = [r.message for r in caplog.records if "does not answer" in r.message]
+    assert len(warned) == 1 and f"127.0.0.1:{port}" in warned[0], warned

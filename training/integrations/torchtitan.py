@@ -165,8 +165,10 @@ class TrainerSteps:
         original = getattr(owner, name)
         guard = self.guard
 
+        # Named rankscope_<what it does> like every wrapper that runs a framework's own function in
+        # its place: what that function does below it is torchtitan's (tests/helpers/strict_cuda.py).
         @functools.wraps(original, updated=())   # its name and docstring; not an object's attributes
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def rankscope_wrapped(*args: Any, **kwargs: Any) -> Any:
             if before is not None:
                 guard(before, *args, **kwargs)
             try:
@@ -179,7 +181,7 @@ class TrainerSteps:
                 guard(after, result)
             return result
 
-        setattr(owner, name, wrapper)
+        setattr(owner, name, rankscope_wrapped)
 
     def guard(self, hook: Any, *args: Any, **kwargs: Any) -> None:
         try:
@@ -306,7 +308,7 @@ def _watch_clipping() -> None:
         return
 
     @functools.wraps(original)
-    def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+    def rankscope_clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
         clipping = [s for s in _instrumented if s.step is not None and s.thread == threading.get_ident()]
         for steps in clipping:
             steps.guard(steps.clipping)
@@ -315,8 +317,8 @@ def _watch_clipping() -> None:
             steps.grad_norm = norm
         return norm
 
-    clip_grad_norm_._rankscope = True  # type: ignore[attr-defined]
-    _titan_dist.clip_grad_norm_ = clip_grad_norm_
+    rankscope_clip_grad_norm_._rankscope = True  # type: ignore[attr-defined]
+    _titan_dist.clip_grad_norm_ = rankscope_clip_grad_norm_
 
 
 # -- the launcher -----------------------------------------------------------------------
@@ -330,12 +332,12 @@ def main(argv: list[str] | None = None) -> None:
     train = Trainer.train
     if not getattr(train, "_rankscope", False):
         @functools.wraps(train)
-        def instrumented_train(self: Any) -> Any:
+        def rankscope_train(self: Any) -> Any:
             instrument(self)
             return train(self)
 
-        instrumented_train._rankscope = True  # type: ignore[attr-defined]
-        Trainer.train = instrumented_train   # type: ignore[method-assign]
+        rankscope_train._rankscope = True  # type: ignore[attr-defined]
+        Trainer.train = rankscope_train   # type: ignore[method-assign]
     torchtitan.train.main()
 
 
