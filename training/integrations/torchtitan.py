@@ -324,6 +324,11 @@ def _watch_clipping() -> None:
 # -- the launcher -----------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     """torchtitan's own ``main`` (``torchtitan.train``), with every Trainer it trains instrumented."""
+    rankscope_main(argv)
+
+
+def rankscope_main(argv: list[str] | None) -> None:
+    """``main``'s body: torchtitan's program runs below this frame (a pass-through, by its name)."""
     import torchtitan.train
     from torchtitan.trainer import Trainer
 
