@@ -52,6 +52,9 @@ class RankIdentity:
         env = os.environ if env is None else env
         rank = env_value(env, ("RANK", "SLURM_PROCID"), int, 0)
         world = env_value(env, ("WORLD_SIZE", "SLURM_NTASKS"), int, 1)
+        if rank and not (env.get("WORLD_SIZE") or env.get("SLURM_NTASKS")):
+            raise ConfigError(f"RANK={rank} is set but WORLD_SIZE is not: a launcher sets both (torchrun, srun); "
+                              "set WORLD_SIZE to the number of ranks")
         local_rank = env_value(env, ("LOCAL_RANK", "SLURM_LOCALID"), int, 0)
         local_world = env_value(env, ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"), int, world)
         if not 0 <= rank < world:

@@ -74,6 +74,9 @@ def test_identity_from_torchrun_slurm_and_defaults():
         RankIdentity.from_env(env={"RANK": "x"})
     with pytest.raises(ConfigError, match="outside WORLD_SIZE"):
         RankIdentity.from_env(env={"RANK": "4", "WORLD_SIZE": "4"})
+    with pytest.raises(ConfigError, match="RANK=3 is set but WORLD_SIZE is not"):   # a half-set launcher environment
+        RankIdentity.from_env(env={"RANK": "3", "LOCAL_RANK": "3"})
+    assert RankIdentity.from_env(env={"RANK": "0"}).world_size == 1                    # rank 0 alone: a 1-rank job
 
 
 def test_a_second_live_job_on_a_run_id_in_use_is_caught(tmp_path, caplog):
