@@ -45,3 +45,43 @@ def test_an_exporter_that_dies_at_start_warns_and_the_rank_trains(tmp_path, monk
     assert len(gave_up) == 1 and "RANKSCOPE_STUCK_AFTER_S" in gave_up[0], gave_up   # the exporter's own error
     log = (tmp_path / "exporter.log").read_text()
     assert log.count("RANKSCOPE_STUCK_AFTER_S") >= 2, log       # started once more before giving up
+
+
+def test_a_job_starts_and_trains_to_the_end_beside_a_stopped_exporter(tmp_path):
+    """The node exporter stopped (SIGSTOP: a debugger, a cgroup freeze, a machine in swap) when a
+    job starts, and again while it runs: its port accepts connections and answers nothing.
+    The job trains to the end (it once died at Monitor(): 'metrics_port: cannot reach ...:
+    timed out'); the exporter, continued, serves every step of every rank."""
+    import os
+    import signal
+
+    from tests.helpers.exporter_proc import ExporterProcess
+    from tests.helpers.jobs import TrainJob, value, wait_until
+
+    steps = 40
+    metrics = tmp_path / "metrics"
+    with ExporterProcess(metrics) as exporter:
+        os.kill(exporter.proc.pid, signal.SIGSTOP)
+        try:
+            with TrainJob(nproc=2, steps=steps, port=exporter.port, metrics_dir=metrics,
+                          env={"RANKSCOPE_EXPORTER": "auto"}) as job:
+                # Said, not raised: local rank 0's Monitor() found the port silent.
+                wait_until(lambda: "does not answer" in job.log() or job.proc.poll() is not None, timeout=120,
+                           what="the warning")
+                assert job.proc.poll() is None, job.log()[-3000:]
+                os.kill(exporter.proc.pid, signal.SIGCONT)   # a while of serving, then stopped again
+                time.sleep(1.0)
+                os.kill(exporter.proc.pid, signal.SIGSTOP)
+                assert job.wait(timeout=240) == 0, job.log()[-3000:]
+        finally:
+            os.kill(exporter.proc.pid, signal.SIGCONT)
+        samples = wait_until(lambda: _all_steps(exporter.url, steps), timeout=30, what="every step served")
+    assert {value(samples, "rankscope_steps_total", rank=r) for r in ("0", "1")} == {float(steps)}
+
+
+def _all_steps(url: str, steps: int):
+    from tests.helpers.jobs import scrape, value
+
+    samples = scrape(url)
+    done = all(value(samples, "rankscope_steps_total", rank=r) == steps for r in ("0", "1"))
+    return samples if done else None
