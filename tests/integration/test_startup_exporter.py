@@ -68,7 +68,7 @@ def test_a_job_starts_and_trains_to_the_end_beside_a_stopped_exporter(tmp_path):
                 # Said, not raised: local rank 0's Monitor() found the port silent.
                 wait_until(lambda: "does not answer" in job.log() or job.proc.poll() is not None, timeout=120,
                            what="the warning")
-                assert job.proc.poll() is None, job.log()[-3000:]
+                assert "does not answer" in job.log(), job.log()[-3000:]
                 os.kill(exporter.proc.pid, signal.SIGCONT)   # a while of serving, then stopped again
                 time.sleep(1.0)
                 os.kill(exporter.proc.pid, signal.SIGSTOP)
