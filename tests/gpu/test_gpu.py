@@ -42,29 +42,14 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from tests.gpu.figures import record
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
 ]
 
-FIGURES: dict[str, object] = {}
 DEVICE = torch.device("cuda", 0)
-
-
-def record(name: str, value: object) -> None:
-    FIGURES[name] = value
-    print(f"\n[gpu-check] {name}: {value}")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def figures_file():
-    FIGURES["device"] = torch.cuda.get_device_name(0)
-    FIGURES["torch"] = torch.__version__
-    yield
-    out = os.environ.get("GPU_CHECK_OUT")
-    if out:
-        with open(out, "w") as f:
-            json.dump(FIGURES, f, indent=1, default=str)
 
 
 @pytest.fixture(scope="module")

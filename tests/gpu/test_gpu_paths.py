@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu.test_gpu import record
+from tests.gpu.figures import record
 
 pytestmark = [
     pytest.mark.gpu,
