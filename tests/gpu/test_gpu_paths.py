@@ -186,7 +186,7 @@ def test_hf_trainer_on_the_gpu(one_rank):
 
 def test_reading_a_full_nccl_ring_beside_collective_launches():
     proc = subprocess.run([sys.executable, str(REPO / "tests/benchmarks/ring_read_launch.py"), "--backend", "nccl",
-                           "--blocks", "10"], capture_output=True, text=True, timeout=180,
+                           "--blocks", "5", "--block-s", "2"], capture_output=True, text=True, timeout=180,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(
                               filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -417,3 +417,40 @@ def test_a_group_the_monitor_knows_from_the_mesh_is_named_by_its_dimension():
     reader.poll()
     assert sink.children[("count", "dp_shard", "0", "all_gather")].value == 1
     assert sink.children[("count", "tp", "1", "all_reduce")].value == 1
+
+
+def test_a_ring_whose_read_holds_the_gil_is_read_only_at_the_budget_or_on_a_hang():
+    """NCCL's ring, where the rank's GPU is not 0, is serialised on the reader's thread holding
+    the GIL (a 20,000-entry ring: ~0.35 s on this CPU): half a ring new no longer makes a read
+    due, only the budget does (at most 1/READ_BUDGET of the time between reads); a collective
+    in flight across two status reads (a possible hang) is still read at once."""
+    rec, reader, sink, drops, errors = make()
+    reader._entries_every_s, reader._ring = 1.0, 10
+    cursor = reader.cursors["cpu"]
+    cursor.last_entries, cursor.read_s = 100.0, 0.35
+    assert reader._read_due(cursor, 102.0, 5)                        # the worker server's read: half the ring
+    assert not reader._read_due(cursor, 102.0, 5, holds_gil=True)     # holding the GIL: not yet
+    assert not reader._read_due(cursor, 134.0, 50, holds_gil=True)    # 100 x 0.35 s = 35 s between reads
+    assert reader._read_due(cursor, 135.5, 0, holds_gil=True)
+
+    class HoldingSource(Source):
+        def holds_gil(self, recorder):
+            return True
+
+    source = HoldingSource(cpu=rec)
+    reader = ProcessGroupReader(sink, lambda what, reason="", n=1: drops.append((what, n)),
+                                lambda: errors.append(1), source, 2, 60.0, entries_every_s=0.0,
+                                initialized=lambda: True)
+    reader._ring = 10
+    rec.collective()
+    reader.poll()                                  # the first read (a group not known yet is read at once)
+    cursor = reader.cursors["cpu"]
+    cursor.read_s = 1.0                            # each read would hold the GIL for a second
+    for _ in range(6):
+        rec.collective()
+    reader.poll()                                  # 6 of 10 new: not read while it would hold the GIL
+    assert sink.children[("count", "default", "0", "all_reduce")].value == 1
+    rec.collective(complete=False)
+    reader.poll()
+    reader.poll()                                  # in flight across two status reads: read now
+    assert sink.children[("count", "default", "0", "all_reduce")].value == 8

@@ -65,7 +65,7 @@ def train(monitor, model, steps: int = 3, gauge=None) -> list[float]:
             step.observe(loss=loss.detach(), grad_norm=norms, lr=torch.tensor(0.1))
         if gauge is not None:
             gauge.set(loss.detach() * 2)
-        losses.append(float(loss))   # the test's own read, not rankscope's
+        losses.append(float(loss.detach()))   # the test's own read, not rankscope's
     return losses
 
 

@@ -215,6 +215,11 @@ class FlightRecorderSource:
         raw = self._device.api.call_on(self._device.index, call, False, False) if guarded else call(False, False)
         return json.loads(raw).get("pg_status", {})
 
+    def holds_gil(self, recorder: str) -> bool:
+        """Whether reading ``recorder``'s entries holds the GIL throughout (serialised on the calling
+        thread rather than by the worker server)."""
+        return bool(self._on_device(recorder)) and self._device.index != 0
+
     def entries_json(self, recorder: str = "cpu") -> bytes | bytearray:
         """The whole ring as JSON, serialised by torch's C++ worker server (no GIL held meanwhile),
         or by the recorder's own call on this thread where the server's thread would touch
@@ -423,7 +428,8 @@ class ProcessGroupReader:
         # A group not known yet has no labels: its sequence numbers wait for its entries.
         unknown = any((cursor.recorder, pg_id) not in self.groups and (cursor.recorder, pg_id) not in self._refused
                       for pg_id in status)
-        if final or stuck or self._read_due(cursor, now, enqueued - cursor.enqueued_at_read, unknown):
+        holds_gil = getattr(self._source, "holds_gil", _never)(cursor.recorder)
+        if final or stuck or self._read_due(cursor, now, enqueued - cursor.enqueued_at_read, unknown, holds_gil):
             cursor.last_entries, cursor.enqueued_at_read = now, enqueued
             try:   # without entries the sequence numbers are still published
                 self._read_entries(cursor)
@@ -432,20 +438,29 @@ class ProcessGroupReader:
             cursor.read_s = time.monotonic() - now
         return bool(status)
 
-    def _read_due(self, cursor: Cursor, now: float, new_collectives: int, unknown_group: bool = False) -> bool:
+    def _read_due(self, cursor: Cursor, now: float, new_collectives: int, unknown_group: bool = False,
+                  holds_gil: bool = False) -> bool:
         """Serialising the ring costs the same however few entries are new (about 10 us an entry,
         on torch's thread): read once about half of it is new, as the groups' sequence numbers
         count, but no closer than entries_every_s and no further than ENTRIES_AT_MOST_EVERY_S apart.
         A busy FSDP job is read every second or few; a DDP job with a few collectives a second
-        every ten."""
+        every ten.
+
+        ``holds_gil``: this recorder's ring is serialised on this thread, holding the GIL the
+        training thread needs (NCCL's, where the rank's GPU is not 0: FlightRecorderSource).
+        Then only the budget makes a read due (a possible hang still reads at once): collectives
+        beyond half a ring between two reads are counted as dropped, never bought with the
+        training thread's time."""
         since = now - cursor.last_entries
         if since < self._entries_every_s:
             return False
         # Unforced, a read waits long enough to cost at most 1/READ_BUDGET of the time between reads:
         # a full 20,000-entry ring (torchtitan's) takes ~0.7 s to serialise and decode, and read
         # every 10 s it would cost a slow job 7% of a core. Half a ring new is always read (the
-        # ring would overwrite entries not yet counted).
+        # ring would overwrite entries not yet counted), unless the read would hold the GIL.
         stale_after = max(ENTRIES_AT_MOST_EVERY_S, READ_BUDGET * cursor.read_s)
+        if holds_gil:
+            return since >= stale_after
         return (since >= stale_after or self._ring <= 0 or unknown_group
                 or new_collectives >= RING_SHARE * self._ring)
 
@@ -650,6 +665,10 @@ class ProcessGroupReader:
                         group.published_in_flight.pop(op, None)
         if oldest_any and self._on_in_flight is not None:
             self._on_in_flight(oldest_any)
+
+
+def _never(recorder: str) -> bool:
+    return False
 
 
 def _has_cuda_backend(group_name: str) -> bool:
