@@ -429,6 +429,8 @@ class ProcessGroupReader:
         unknown = any((cursor.recorder, pg_id) not in self.groups and (cursor.recorder, pg_id) not in self._refused
                       for pg_id in status)
         holds_gil = getattr(self._source, "holds_gil", _never)(cursor.recorder)
+        if not status and not final:
+            return False   # no group yet (or a recorder that cannot be read yet): nothing in its ring
         if final or stuck or self._read_due(cursor, now, enqueued - cursor.enqueued_at_read, unknown, holds_gil):
             cursor.last_entries, cursor.enqueued_at_read = now, enqueued
             try:   # without entries the sequence numbers are still published
