@@ -110,7 +110,7 @@ def main(argv=None) -> int:
                 "over_1ms": sum(v > 1e-3 for v in values), "n": len(values)}
 
     idle, busy = summary(launches["idle"]), summary(launches["reading"])
-    figures = {"backend": args.backend, "ring": args.ring, "idle": idle, "reading": busy,
+    figures = {"benchmark": "ring_read_launch", "backend": args.backend, "ring": args.ring, "idle": idle, "reading": busy,
                "median_ratio": busy["median_us"] / idle["median_us"], "p99_ratio": busy["p99_us"] / idle["p99_us"],
                "full_ring_read_ms": statistics.median(reads) * 1e3 if reads else None, "reads": len(reads),
                "machine": machine()}

@@ -80,3 +80,10 @@ def test_step_segments_quick():
     assert figures["benchmark"] == "step_segments" and figures["pairs"] == 100
     assert set(figures["segments"]) >= {"step_enter", "step_exit", "whole_step"}
     assert figures["segments"]["whole_step"]["bare_median_us"] > 0
+
+
+def test_ring_read_launch_quick():
+    _, figures = run_benchmark("ring_read_launch.py")
+    assert figures["benchmark"] == "ring_read_launch" and figures["ring"] == 500
+    assert figures["idle"]["n"] > 0 and figures["reading"]["n"] > 0
+    assert figures["reads"] >= 1, "the ring was read during the reading blocks"
