@@ -60,6 +60,7 @@ from rankscope.publishing.metrics import RankMetrics
 from rankscope.publishing.publisher import Publisher
 from rankscope.publishing.stacks import StackDumps, parse_signal
 from rankscope.publishing.startup import RankInfo, claim_run, prepare_run_dir
+from rankscope.publishing.startup_phases import StartupPhases, watch_init
 from rankscope.publishing.user_metrics import UserMetric, UserMetrics
 from rankscope.step.accounting import StepAccounting
 from rankscope.step.goodput import Progress, TimeUse, process_start_perf
@@ -95,6 +96,7 @@ class Monitor:
         try:
             self._start(backend, device)
         except BaseException:
+            getattr(self, "_restore_init", _nothing)()
             _release(self)
             raise
 
@@ -139,13 +141,20 @@ class Monitor:
         rank_info = RankInfo(self.identity, self.device, backend, self.registration, self.run_dir, self.metrics,
                              self.handoff)
         ring = ring_size()   # torch's flight-recorder ring, read once
+        # From process start to the first step: which phase the rank is in (rendezvous: inside
+        # init_process_group, seen through a pass-through put in its place until close()).
+        initialized = _dist_initialized()
+        self.startup = StartupPhases(time.time() - (time.perf_counter() - process_start_perf()), initialized)
+        self._restore_init = watch_init(self.startup) if not initialized else _nothing
         self.publisher = Publisher(self.metrics, self.handoff, self.accounting, self.tracker, self.device, memory,
                                    self.tracing, self.errors,
                                    FlightRecorder(self.run_dir, self.identity.rank, cfg.flight_recorder_after_s, ring),
-                                   rank_info, self.stacks, self.flops, cfg.publish_interval_s, cfg.memory_every_s)
+                                   rank_info, self.stacks, self.flops, cfg.publish_interval_s, cfg.memory_every_s,
+                                   self.startup)
         self._rank_info = rank_info
         self.process_groups = _process_group_reader(self, ring)
         self.metrics.start_ts.set(self.registration.started_at)
+        self.metrics.launch_world_size.set(self.identity.world_size)
         self.metrics.mem_total.set(memory.total())          # 0 until a CUDA device is known (the publisher)
         self.metrics.bind_flops(self.flops.counts_flops)   # the device's peak: once it is known
         self.metrics.mem_limit.set(memory.host_limit)
@@ -338,6 +347,7 @@ class Monitor:
                 # short: end it with that exception, so an out-of-memory error is counted.
                 self.steps.step.end(_exception_in_flight())
             self.steps.settle()
+            self._restore_init()
             self.publisher.flush(timeout_s=2.0)   # the last steps' traces are built here, before the tracer stops
             self.tracing.shutdown(timeout_s=2.0)
             if self.process_groups is not None:
@@ -353,6 +363,16 @@ class Monitor:
             self.errors.error("publisher")
         finally:
             _release(self)
+
+
+def _dist_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _exception_in_flight() -> BaseException:

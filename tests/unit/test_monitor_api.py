@@ -466,3 +466,56 @@ def test_an_exporter_port_that_never_answers_warns_and_the_rank_trains(tmp_path,
             m.close()
     warned = [r.message for r in caplog.records if "does not answer" in r.message]
     assert len(warned) == 1 and f"127.0.0.1:{port}" in warned[0], warned
+
+
+# -- from launch to the first step --------------------------------------------------------------
+
+def test_startup_phases_from_launch_through_rendezvous_to_training(tmp_path, monkeypatch):
+    """A Monitor made before init_process_group (as the adapters and the reference trainer make
+    it) says where the rank is: launch, then rendezvous while init_process_group waits for a
+    peer that never comes (torch's own timeout error passes through as it is), then first_step
+    once a process group exists, training after the first step. init_process_group is torch's
+    own again after close()."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from tests.helpers.jobs import free_port
+
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    original = dist.init_process_group
+    m = Monitor(exporter="off", metrics_dir=tmp_path, run="startup-phases", publish_interval_s=60)
+
+    def phase() -> tuple[str, float]:
+        m.publisher.publish()
+        values = published(m)
+        current = [p for p in ("launch", "rendezvous", "first_step", "training")
+                   if values.get(("rankscope_startup_phase", p)) == 1.0]
+        return current[0], values[("rankscope_startup_phase_since_timestamp_seconds",)]
+
+    try:
+        assert dist.init_process_group is not original
+        name, launched = phase()
+        assert name == "launch" and launched <= m.registration.started_at   # since the process started
+        assert published(m)[("rankscope_launch_world_size",)] == 1
+        seen: list[tuple[str, float]] = []
+        waiting = threading.Thread(target=lambda: (time.sleep(1.0), seen.append(phase())))
+        waiting.start()
+        with pytest.raises(Exception) as raised:   # a peer that never arrives: torch's timeout
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=2,
+                                    timeout=datetime.timedelta(seconds=3))
+        waiting.join()
+        assert seen and seen[0][0] == "rendezvous" and seen[0][1] > launched, seen
+        assert "timeout" in str(raised.value).lower() or "timed out" in str(raised.value).lower(), raised.value
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        try:
+            assert phase()[0] == "first_step"
+            run_steps(m, 1, loss=1.0)
+            assert phase()[0] == "training"
+        finally:
+            dist.destroy_process_group()
+    finally:
+        m.close()
+    assert dist.init_process_group is original

@@ -21,6 +21,12 @@ IDENTITY_LABELS: tuple[str, ...] = ("run", "rank", "local_rank", "node")
 
 # Bounded label values. Anything not listed here is rejected at start-up.
 PHASES: tuple[str, ...] = ("data", "forward", "backward", "optimizer", "comm_wait", "other")
+# Where a rank is between its process start and its first step (rankscope.publishing.startup.StartupPhases):
+# launch       its own work before init_process_group (imports, data, model building)
+# rendezvous   inside init_process_group: waiting for every rank of the world to arrive
+# first_step   its process group made, no step completed yet (a first compile, a checkpoint load)
+# training     a step completed
+STARTUP_PHASES: tuple[str, ...] = ("launch", "rendezvous", "first_step", "training")
 COLLECTIVE_OPS: tuple[str, ...] = (
     "all_reduce",
     "all_gather",
@@ -167,6 +173,15 @@ RANK_METRICS: tuple[MetricSpec, ...] = (
        "stage, its tensor-parallel group (its coordinates on the other mesh dimensions) and every mesh coordinate; "
        "empty where the job has none.", ("stage", "tp_group", "mesh")),
     _g("rankscope_rank_start_timestamp_seconds", "Unix time at which the rank's monitor started."),
+    _g("rankscope_launch_world_size",
+       "Ranks of the job as its launcher's environment says (WORLD_SIZE, SLURM_NTASKS): known before any process "
+       "group exists, so that ranks that never started are counted."),
+    _g("rankscope_startup_phase",
+       "1 for the start-up phase the rank is in, 0 for the others: launch (before init_process_group), "
+       "rendezvous (inside it, waiting for the other ranks), first_step (no step completed yet), training.",
+       ("phase",)),
+    _g("rankscope_startup_phase_since_timestamp_seconds",
+       "Unix time at which the rank entered its start-up phase (launch: the process's start)."),
     _g("rankscope_heartbeat_timestamp_seconds",
        "Unix time of the rank's last heartbeat (a background thread beats while the interpreter runs).",
        mode="livemostrecent"),

@@ -36,6 +36,7 @@ from rankscope.holds import LongestHold
 from rankscope.publishing.metrics import RankMetrics
 from rankscope.publishing.stacks import StackDumps
 from rankscope.publishing.startup import RankInfo
+from rankscope.publishing.startup_phases import StartupPhases
 from rankscope.step.accounting import GIL_YIELD_S, Accumulator, StepAccounting
 from rankscope.step.handoff import StepHandoff
 
@@ -50,7 +51,7 @@ class Publisher:
     def __init__(self, metrics: RankMetrics, handoff: StepHandoff, accounting: StepAccounting,
                  tracker: CollectiveTracker, device: RankDevice, memory: MemorySampler, tracing: SpanCounts,
                  errors: TelemetryErrors, flight_recorder: FlightRecorder, rank_info: RankInfo, stacks: StackDumps,
-                 flops: FlopsConfig, interval_s: float, memory_every_s: float):
+                 flops: FlopsConfig, interval_s: float, memory_every_s: float, startup: StartupPhases | None = None):
         self._m = metrics
         self._handoff = handoff
         self._accounting = accounting
@@ -63,6 +64,7 @@ class Publisher:
         self._rank_info = rank_info
         self._stacks = stacks
         self._flops = flops                # model FLOPs of the steps
+        self._startup = startup            # the rank's start-up phase, until its first step
         self._interval_s = interval_s
         self._memory_every_s = memory_every_s
         self._lock = threading.Lock()
@@ -108,7 +110,8 @@ class Publisher:
         try:
             self._acc = Accumulator()   # if taking the steps fails, the parts publish nothing twice
             for component, part in (("publisher", self._take_steps), ("publisher", self._resolve_device),
-                                    ("publisher", self._write_steps), ("publisher", self._write_time_use),
+                                    ("publisher", self._write_steps), ("publisher", self._write_startup),
+                                    ("publisher", self._write_time_use),
                                     ("collectives", self._write_collectives), ("memory", self._write_memory),
                                     ("tracing", self._write_drops), ("publisher", self._rank_info.save_when_known),
                                     ("publisher", self._rank_info.publish_saved), ("publisher", self._stacks.check)):
@@ -171,6 +174,10 @@ class Publisher:
             if m.model_flops is not None:
                 m.model_flops.inc(self._flops.step_flops(acc.samples, acc.tokens) or 0.0)
         observe_all(m.data_wait, acc.data_waits)
+
+    def _write_startup(self) -> None:
+        if self._startup is not None:
+            self._startup.write(self._m, self._handoff.steps_seen)
 
     def _write_time_use(self) -> None:
         m, acc = self._m, self._acc
