@@ -428,8 +428,34 @@ LAST_COMPUTE = (
     "  and on (run, rank) (rankscope_rank_state{SEL,state=\"progressing\"} == 1)\n)")
 
 
-# Causes whose peers stall: a dead, lost, hung or frozen rank blocks the others.
-STALL_CAUSES = "rank_down|node_lost|hang_suspect|frozen|collective_behind|network_stall"
+# ---- start-up: from launch to the first step (rankscope.publishing.startup_phases) ----
+# The live ranks of a run that wait in the rendezvous (inside init_process_group), and for how long.
+STARTUP_WAIT_RECORD = "rank:rankscope_startup_rendezvous:wait_seconds"
+STARTUP_WAIT = ("(time() - rankscope_startup_phase_since_timestamp_seconds{SEL})\n"
+                "and on (run, rank) (rankscope_startup_phase{SEL,phase=\"rendezvous\"} == 1)\n"
+                "and on (run, rank) (rankscope_rank_up{SEL} == 1)")
+# A live rank still in its own start-up (before init_process_group) while a peer has waited for it
+# in the rendezvous past the bar: it holds up the start. The value: how long it has been starting.
+# A slow but healthy start-up (every rank busy compiling or loading, none waiting) names no one.
+STARTUP_BLOCKED_RECORD = "rank:rankscope_startup_launch:blocking_seconds"
+STARTUP_BLOCKED = ("(time() - rankscope_startup_phase_since_timestamp_seconds{SEL})\n"
+                   "and on (run, rank) (rankscope_startup_phase{SEL,phase=\"launch\"} == 1)\n"
+                   "and on (run, rank) (rankscope_rank_up{SEL} == 1)\n"
+                   "and on (run) (max by (run) (" + STARTUP_WAIT_RECORD + ") > <<startup_wait_seconds>>)")
+# Ranks the launcher started (its WORLD_SIZE) that no exporter serves, while the ranks that did
+# report wait in the rendezvous past the bar: their node's launcher never started, or their node
+# cannot be reached. The value: how many are missing.
+STARTUP_MISSING_RECORD = "run:rankscope_startup_ranks:missing"
+STARTUP_MISSING = ("(\n"
+                   "  max by (run) (rankscope_launch_world_size{SEL})\n"
+                   "  - count by (run) (rankscope_launch_world_size{SEL})\n"
+                   ") > 0\n"
+                   "and on (run) (max by (run) (" + STARTUP_WAIT_RECORD + ") > <<startup_wait_seconds>>)")
+
+# Causes whose peers stall: a dead, lost, hung or frozen rank blocks the others, and so does a
+# rank that never reaches the rendezvous, or never starts.
+STALL_CAUSES = ("rank_down|node_lost|hang_suspect|frozen|collective_behind|network_stall|startup_blocked"
+                "|startup_missing")
 # Causes that explain a low goodput and page or warn for it themselves: a dead,
 # lost, hung or frozen rank, a stall (the ranks' time goes to idle), an
 # input-bound rank (its time goes to data_wait). A straggler does not lower
@@ -600,6 +626,11 @@ RECORDING_RULES: tuple[Record, ...] = (
     cause("input_bound", "RankscopeInputBound", INPUT_BOUND),
     Record(NETWORK_STALL_RECORD, NETWORK_STALL),
     cause("network_stall", "RankscopeNetworkStall", NETWORK_STALL_RECORD),
+    Record(STARTUP_WAIT_RECORD, STARTUP_WAIT),
+    Record(STARTUP_BLOCKED_RECORD, STARTUP_BLOCKED),
+    cause("startup_blocked", "RankscopeStartupBlocked", STARTUP_BLOCKED_RECORD),
+    Record(STARTUP_MISSING_RECORD, STARTUP_MISSING),
+    cause("startup_missing", "RankscopeStartupRanksMissing", STARTUP_MISSING_RECORD),
     Record(RETRANSMIT_RATIO_RECORD, RETRANSMIT_RATIO),
     cause("network_degraded", "RankscopeNetworkDegraded", NETWORK_DEGRADED),
     # ---- the rank using each GPU (read by the GPU alerts of the same group) ----
@@ -716,6 +747,33 @@ ALERTS: tuple[Alert, ...] = (
           "{{ with printf `max(rankscope_process_group_last_enqueued_seq{SEL,run=\"%s\",group_id=\"%s\"})` "
           "$labels.run $labels.group_id | query }}seq {{ . | first | value }}{{ end }}. "
           "This rank has not issued that collective: it is the likely culprit." + EVIDENCE),
+    # Start-up: the ranks its peers wait for in the rendezvous, by name; those that never reported, counted.
+    Alert("RankscopeStartupBlocked",
+          STARTUP_BLOCKED_RECORD,
+          "critical",
+          "Run {{ $labels.run }} cannot start: rank {{ $labels.rank }} on node {{ $labels.node }} has not reached "
+          "init_process_group",
+          "In " + WHO + ", the rank is still in its own start-up, before init_process_group, "
+          "{{ $value | humanizeDuration }} after its process started, while "
+          "{{ with printf `count(" + STARTUP_WAIT_RECORD + "{run=\"%s\"})` $labels.run | query }}"
+          "{{ . | first | value }}{{ end }} rank(s) of the run wait for it in the rendezvous, the longest for "
+          "{{ with printf `max(" + STARTUP_WAIT_RECORD + "{run=\"%s\"})` $labels.run | query }}"
+          "{{ . | first | value | humanizeDuration }}{{ end }}. This rank holds up the start: its stack shows "
+          "where it is (data, model building, a checkpoint read, a lock)." + EVIDENCE),
+    Alert("RankscopeStartupRanksMissing",
+          STARTUP_MISSING_RECORD,
+          "critical",
+          "Run {{ $labels.run }} cannot start: {{ $value }} of its ranks never reported",
+          "Run {{ $labels.run }}: {{ $value }} of its "
+          "{{ with printf `max(rankscope_launch_world_size{SEL,run=\"%s\"})` $labels.run | query }}"
+          "{{ . | first | value }}{{ end }} ranks never reached rankscope (no exporter serves them), while the "
+          "ranks that did wait in init_process_group's rendezvous, the longest for "
+          "{{ with printf `max(" + STARTUP_WAIT_RECORD + "{run=\"%s\"})` $labels.run | query }}"
+          "{{ . | first | value | humanizeDuration }}{{ end }}. Nodes that reported: "
+          "{{ range $i, $s := printf `count by (node) (rankscope_launch_world_size{SEL,run=\"%s\"})` $labels.run "
+          "| query | sortByLabel \"node\" }}{{ if $i }}, {{ end }}{{ $s.Labels.node }} ({{ $s.Value }} ranks){{ end }}. "
+          "The missing ranks' node may not have started its launcher, or cannot be reached (its exporter: "
+          "RankscopeTargetDown)."),
     # Every rank blocked inside a collective, none outside: no rank to blame.
     Alert("RankscopeNetworkStall",
           NETWORK_STALL_RECORD,
@@ -1091,6 +1149,13 @@ RULE_GROUPS: tuple[Group, ...] = (
         NETWORK_STALL_RECORD,
         _cause("network_stall"),
         "RankscopeNetworkStall",
+        STARTUP_WAIT_RECORD,
+        STARTUP_BLOCKED_RECORD,
+        _cause("startup_blocked"),
+        "RankscopeStartupBlocked",
+        STARTUP_MISSING_RECORD,
+        _cause("startup_missing"),
+        "RankscopeStartupRanksMissing",
     )),
     Group("rankscope.alerts.liveness", (
         "RankscopeRankDown",
