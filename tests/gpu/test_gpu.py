@@ -43,6 +43,7 @@ import pytest
 import torch
 
 from tests.gpu.figures import record
+from tests.helpers.tiny_models import faults as telemetry_faults
 
 pytestmark = [
     pytest.mark.gpu,
@@ -83,13 +84,6 @@ def open_monitor(**options):
 def model_1k() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)).to(DEVICE)
-
-
-def telemetry_faults(m) -> dict[str, float]:
-    """Every error and drop rankscope counted, by name (all must be 0)."""
-    faults = {f"error:{k}": c._value.get() for k, c in m.metrics.errors.items()}
-    faults.update({f"drop:{k}": c._value.get() for k, c in m.metrics.drops.items()})
-    return {k: v for k, v in faults.items() if v}
 
 
 @contextmanager

@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from tests.gpu.figures import record
+from tests.helpers.tiny_models import faults, lightning_module
 
 pytestmark = [
     pytest.mark.gpu,
@@ -81,13 +82,6 @@ def syncs_by_caller():
             warnings.showwarning = original
 
 
-def faults(monitor) -> dict[str, float]:
-    m = monitor.metrics
-    counted = {f"error:{k}": c._value.get() for k, c in m.errors.items()}
-    counted.update({f"drop:{k}": c._value.get() for k, c in m.drops.items()})
-    return {k: v for k, v in counted.items() if v}
-
-
 # -- 8. two ranks on one GPU over gloo: the hook's arithmetic on the device --------------------
 
 def test_two_ranks_on_the_gpu_over_gloo_train_to_the_same_weights(tmp_path):
@@ -113,26 +107,8 @@ def test_two_ranks_on_the_gpu_over_gloo_train_to_the_same_weights(tmp_path):
 
 def test_lightning_on_the_gpu_with_progress_bar_values_and_a_grad_norm(one_rank):
     pl = pytest.importorskip("lightning.pytorch")
-    from lightning.pytorch.utilities import grad_norm
 
     from rankscope.integrations.lightning import RankscopeCallback
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1))
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = torch.nn.functional.mse_loss(self.net(x), y)
-            self.log("train_loss", loss, prog_bar=True)
-            return loss
-
-        def on_before_optimizer_step(self, optimizer):
-            self.log_dict(grad_norm(self, norm_type=2), prog_bar=True)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
 
     data = torch.utils.data.TensorDataset(torch.randn(STEPS * 32, 256), torch.randn(STEPS * 32, 1))
     callback = RankscopeCallback(run="gpu-lightning", publish_interval_s=0.05)
@@ -140,7 +116,7 @@ def test_lightning_on_the_gpu_with_progress_bar_values_and_a_grad_norm(one_rank)
                          enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
                          log_every_n_steps=10_000, default_root_dir=one_rank)
     with syncs_by_caller() as syncs:
-        trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=32))
+        trainer.fit(lightning_module(pl, 256, hidden=1024), torch.utils.data.DataLoader(data, batch_size=32))
     monitor = callback.monitor
     m = monitor.metrics
     figures = {"rankscope_syncs": syncs["rankscope"], "framework_syncs": syncs["framework"],

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.helpers.strict_cuda import StrictCuda
-from tests.unit.test_cuda_rules import RANK_GPU, faults
+from tests.helpers.tiny_models import faults, lightning_module
+from tests.unit.test_cuda_rules import RANK_GPU
 
 STEPS = 24
 
@@ -31,26 +32,8 @@ def test_lightning_with_progress_bar_values_and_a_logged_grad_norm_never_waits(o
     """Finding 2: the adapter read trainer.callback_metrics for the grad norm, which turns every
     prog_bar=True value into a number with .item(): a host-device sync a step."""
     pl = pytest.importorskip("lightning.pytorch")
-    from lightning.pytorch.utilities import grad_norm
 
     from rankscope.integrations.lightning import RankscopeCallback
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = torch.nn.Linear(8, 1)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = torch.nn.functional.mse_loss(self.net(x), y)
-            self.log("train_loss", loss, prog_bar=True)
-            return loss
-
-        def on_before_optimizer_step(self, optimizer):
-            self.log_dict(grad_norm(self, norm_type=2), prog_bar=True)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05)
 
     data = torch.utils.data.TensorDataset(torch.randn(STEPS * 4, 8), torch.randn(STEPS * 4, 1))
     callback = RankscopeCallback(run="strict-lightning", **one_rank)
@@ -60,7 +43,7 @@ def test_lightning_with_progress_bar_values_and_a_logged_grad_norm_never_waits(o
                              enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path,
                              enable_progress_bar=True, log_every_n_steps=1)
         with open(os.devnull, "w") as quiet, _stdout(quiet):
-            trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=4))
+            trainer.fit(lightning_module(pl, 8), torch.utils.data.DataLoader(data, batch_size=4))
     m = callback.monitor.metrics
     assert m.steps._value.get() == STEPS
     assert m.grad_norm._value.get() > 0 and m.loss._value.get() > 0

@@ -22,6 +22,7 @@ from rankscope.collectives.process_groups import FlightRecorderSource, ProcessGr
 from rankscope.device.rank_device import RankDevice
 from tests.helpers.jobs import free_port
 from tests.helpers.strict_cuda import StrictCuda, in_thread
+from tests.helpers.tiny_models import faults
 from tests.unit.test_collectives_units import FakeRecorder, Sink
 
 RANK_GPU = 1
@@ -112,14 +113,6 @@ def test_a_monitor_made_before_set_device_times_the_device_set_after(monitor_env
             assert faults(monitor) == {}
         finally:
             monitor.close()
-
-
-def faults(monitor) -> dict[str, float]:
-    """The rank's telemetry errors and drops that are not zero, by component or kind."""
-    m = monitor.metrics
-    counted = {f"error:{k}": c._value.get() for k, c in m.errors.items()}
-    counted.update({f"drop:{k}": c._value.get() for k, c in m.drops.items()})
-    return {k: v for k, v in counted.items() if v}
 
 
 def test_a_bucket_whose_end_event_fails_does_not_stall_the_device_phases(gloo_world, monitor_env):
