@@ -205,3 +205,34 @@ def test_benchmarks_run_quick(script, args):
     else:
         assert figures["reader_longest_slice_cpu_ms"] > 0 and figures["server_cpu_ms_per_fetch"] > 0
         assert "Only ProcessGroup" in figures["completion_hook_gloo"]
+
+
+def test_a_pipeline_hang_in_a_group_that_carries_sends_names_its_culprit_and_no_healthy_stage(fast_rules, tmp_path):
+    """Three pipeline stages whose world group carries their sends and receives and an all-reduce;
+    the middle stage stops before an all-reduce (outside any collective rankscope times). The
+    group's status numbers every op: the middle stage, which sends and receives twice as much,
+    read far ahead of its waiting peers, and the waiting stages behind it. From the entries'
+    collective numbers the middle stage is the one behind: named; the healthy stages are not."""
+    from tests.helpers.adapter_jobs import PagedJob
+    from tests.helpers.userjob import UserJob
+
+    job = UserJob("pipeline_hang.py", "--hang-rank", "1", "--hang-step", "30", nproc=3, tmp_path=tmp_path,
+                  name="pipeline-hang")
+    with PagedJob(job, fast_rules) as paged:
+        paged.wait_for_page("RankscopeCollectiveBehind", "1", timeout=150)
+
+        def described() -> str | None:
+            alerts = [a for a in paged.prometheus.alerts() if a["labels"]["alertname"] == "RankscopeCollectiveBehind"
+                      and a["labels"].get("run") == job.run_id]
+            text = " ".join(a["annotations"]["description"] for a in alerts)
+            return text if "1 behind its peers" in text else None
+
+        # The entries' numbers are as fresh as the rank's last read of its ring (1-10 s apart; at
+        # once for a rank whose collective stays in flight): the culprit's, stale, first reads
+        # further behind, then exactly one collective behind.
+        wait_until(described, timeout=30, what="the culprit one collective behind")
+        time.sleep(3 * SCRAPE_S)   # any page for another rank would have come by now
+        pages = {(a["labels"]["alertname"], a["labels"].get("rank")) for d in paged.hook.snapshot()
+                 if d.path == "/page" for a in firing_alerts(d) if a["labels"].get("run") == job.run_id}
+        assert job.proc.poll() is None, job.log()[-2000:]   # the hang is real
+    assert pages == {("RankscopeCollectiveBehind", "1")}, pages

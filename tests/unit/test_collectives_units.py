@@ -6,6 +6,7 @@ The same reader against a real recorder is tested in test_collectives_process_gr
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -454,3 +455,60 @@ def test_a_ring_whose_read_holds_the_gil_is_read_only_at_the_budget_or_on_a_hang
     reader.poll()
     reader.poll()                                  # in flight across two status reads: read now
     assert sink.children[("count", "default", "0", "all_reduce")].value == 8
+
+
+def test_a_group_whose_status_counts_its_sends_publishes_its_collectives_numbers():
+    """Measured on gloo (2.13): a pipeline group's status numbers every op, sends and receives
+    included, while its entries record only the collectives (collective_seq_id 1, 2, ...). The
+    middle stage of three that sent and received 10 times and then missed the group's second
+    all-reduce read 11 against its waiting peers' 7: the culprit looked ahead, the waiting
+    stages behind. The entries' numbers are the ones to compare: 1 for it, 2 for its peers."""
+    culprit_rec, culprit, culprit_sink, _, errors = make()
+    culprit_rec.collective(op="gloo:all_reduce")                        # seq 1, retired
+    culprit_rec.status["0"].update(last_enqueued_collective="11", last_completed_collective="11")
+    culprit.poll()
+    assert culprit_sink.children[("enqueued", "default", "0")].value == 1
+    assert culprit_sink.children[("completed", "default", "0")].value == 1
+
+    peer_rec, peer, peer_sink, _, errors = make()
+    peer_rec.collective(op="gloo:all_reduce")                           # seq 1, retired
+    peer_rec.collective(op="gloo:all_reduce", complete=False, retired=False, t=1234.0)   # seq 2, waiting
+    peer_rec.status["0"].update(last_enqueued_collective="7", last_completed_collective="6")
+    peer.poll()
+    assert peer_sink.children[("enqueued", "default", "0")].value == 2
+    assert peer_sink.children[("completed", "default", "0")].value == 1
+    assert peer_sink.children[("in_flight", "default", "0", "all_reduce")].value == 1234.0   # its wait published
+    peer_rec.entries[-1]["retired"] = True                               # the wait ends
+    peer_rec.status["0"].update(last_enqueued_collective="8", last_completed_collective="8")
+    peer.poll()                                                          # read again until retired
+    assert peer_sink.children[("completed", "default", "0")].value == 2
+    assert peer_sink.children[("in_flight", "default", "0", "all_reduce")].value == 0
+    assert peer.cursors["cpu"].unretired == {} and errors == []
+
+
+def test_nccl_p2p_entries_keep_the_status_numbers_out_of_the_comparison():
+    """NCCL records its p2p work as entries (is_p2p); the status numbers it with another counter:
+    a group with p2p entries publishes its collectives' numbers."""
+    rec, reader, sink, drops, errors = make()
+    for _ in range(5):
+        rec.collective(op="nccl:send", is_p2p=True, time_discovered_completed_ns=1)
+    rec.collective(op="nccl:all_reduce", time_discovered_completed_ns=1)   # collective seq 6 in the fake
+    rec.status["0"].update(last_enqueued_collective="40", last_completed_collective="40")
+    reader.poll()
+    assert sink.children[("enqueued", "default", "0")].value == 6
+    assert sink.children[("count", "default", "0", "send")].value == 5 and errors == []
+
+
+def test_a_group_without_other_work_keeps_its_status_numbers():
+    rec, reader, sink, drops, errors = make()
+    for _ in range(3):
+        rec.collective(op="gloo:all_reduce")
+    reader.poll()
+    rec.collective(op="gloo:all_reduce")
+    rec.collective(op="gloo:all_reduce", complete=False, retired=False)
+    reader._ring = 1000   # entries not due: the status alone moves the numbers between reads
+    reader.cursors["cpu"].last_entries = time.monotonic()
+    reader.poll()
+    assert sink.children[("enqueued", "default", "0")].value == 5
+    assert sink.children[("completed", "default", "0")].value == 4
+    assert not reader.groups[("cpu", "0")].counts_p2p

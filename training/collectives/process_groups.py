@@ -129,6 +129,10 @@ def entry_nbytes(entry: dict, op: str) -> int:
 
 @dataclass
 class Group:
+    """One process group of one recorder. ``enqueued`` and ``completed`` are the published
+    sequence numbers of its collectives: the status's, or, once the status is seen counting
+    other work too (``counts_p2p``), the entries'."""
+
     pg_id: str
     name: str
     label: str
@@ -138,6 +142,14 @@ class Group:
     enqueued: int = -1
     completed: int = -1
     seq_children: tuple = ()
+    # The status numbers every op of the group (gloo: send and recv too; NCCL: its p2p work by
+    # its own counter), while the entries' collective_seq_id numbers only its collectives: in a
+    # pipeline group the stages' status numbers differ by their sends and receives. Once the
+    # status is ahead of the entries' newest collective, the entries' numbers are published.
+    status_enqueued: int = -1
+    collective_enqueued: int = -1     # the newest collective's seq among the entries read
+    collective_completed: int = -1    # the newest retired (completed) one's
+    counts_p2p: bool = False
 
 
 # The flight recorders torch has, by name: (the status call of its C++ bindings, the worker
@@ -333,6 +345,7 @@ class Cursor:
     recorder: str
     last_record: int = -1                               # record_id of the last entry counted
     pending_duration: dict = field(default_factory=dict)   # record_id -> (group label, op) read before done
+    unretired: dict = field(default_factory=dict)          # record_id -> (pg_id, seq): collectives read in flight
     last_entries: float = 0.0                           # monotonic time of the last entries read
     enqueued_at_read: int = 0                           # collectives the status counted at that read
     read_s: float = 0.0                                 # wall seconds the last entries read took
@@ -498,7 +511,9 @@ class ProcessGroupReader:
             completed = int(s.get("last_completed_collective", -1))
             group = self.groups.get((cursor.recorder, pg_id))
             if group is not None:
-                group.enqueued, group.completed = enqueued, completed
+                group.status_enqueued = enqueued
+                if not group.counts_p2p:
+                    group.enqueued, group.completed = enqueued, completed
             waiting = completed + 1 if completed < enqueued else None
             if waiting is not None and cursor.suspect.get(pg_id) == waiting \
                     and (group is None or waiting not in group.in_flight):
@@ -535,6 +550,20 @@ class ProcessGroupReader:
                 time.sleep(0)   # let the training thread have the GIL
                 slice_start, slice_cpu = time.perf_counter(), time.thread_time()
         self._note_slice(time.perf_counter() - slice_start, time.thread_time() - slice_cpu)
+        self._use_collective_numbers(cursor)
+
+    def _use_collective_numbers(self, cursor: Cursor) -> None:
+        """After a read of the entries: a group whose status is ahead of its newest collective
+        counts its sends and receives too (collectives enqueued after the status read can only
+        put the entries ahead); from then on its entries' numbers are published."""
+        for (recorder, _), group in self.groups.items():
+            if recorder != cursor.recorder:
+                continue
+            if not group.counts_p2p and group.collective_enqueued >= 0 \
+                    and group.status_enqueued > group.collective_enqueued:
+                group.counts_p2p = True
+            if group.counts_p2p:
+                group.enqueued, group.completed = group.collective_enqueued, group.collective_completed
 
     def _note_slice(self, wall: float, cpu: float) -> None:
         self.longest_slice_s = max(self.longest_slice_s, wall)
@@ -551,10 +580,12 @@ class ProcessGroupReader:
             return -1
         if cursor.last_record < 0:
             return begin
-        first = min(cursor.pending_duration, default=cursor.last_record + 1)
+        first = min(min(cursor.pending_duration, default=cursor.last_record + 1),
+                    min(cursor.unretired, default=cursor.last_record + 1))
         at = body.find(b'"record_id":%d,' % first, begin)
-        if at < 0 and cursor.pending_duration:   # overwritten before their durations came: give up on them
+        if at < 0 and (cursor.pending_duration or cursor.unretired):   # overwritten before done: give up on them
             cursor.pending_duration.clear()
+            cursor.unretired.clear()
             at = body.find(b'"record_id":%d,' % (cursor.last_record + 1), begin)
         if at >= 0:
             return body.rfind(_ENTRY_START, begin, at)
@@ -595,13 +626,32 @@ class ProcessGroupReader:
                 cursor.pending_duration.pop(min(cursor.pending_duration))
             cursor.pending_duration[record] = (group.label, op)
         seq = int(entry.get("collective_seq_id", 0))
-        if not entry.get("is_p2p") and seq > group.completed:
+        if entry.get("is_p2p"):
+            group.counts_p2p = True   # NCCL records its p2p work: the status counts it too
+            return
+        group.collective_enqueued = max(group.collective_enqueued, seq)
+        if entry.get("retired"):
+            group.collective_completed = max(group.collective_completed, seq)
+        else:   # read again until it is retired: the completed number of a group that counts p2p
+            if len(cursor.unretired) >= MAX_IN_FLIGHT:
+                cursor.unretired.pop(min(cursor.unretired))
+            cursor.unretired[record] = (pg_id, seq)
+        # In flight: not retired (its own word), or after the group's completed number (NCCL retires a
+        # watchdog period after completion); pruned by that number as it moves (_publish).
+        if not entry.get("retired") or seq > group.completed:
             if len(group.in_flight) >= MAX_IN_FLIGHT:   # completions not seen: keep the newest
                 del group.in_flight[min(group.in_flight)]
             group.in_flight[seq] = (op, int(entry.get("time_created_ns", 0)) / 1e9)
 
     def _late_duration(self, cursor: Cursor, record: int, entry: dict) -> None:
-        """An entry read before its work completed: its duration, once the backend wrote it."""
+        """An entry read before its work completed: its completion and its duration, once the
+        backend wrote them."""
+        unretired = cursor.unretired.get(record)
+        if unretired is not None and entry.get("retired"):
+            del cursor.unretired[record]
+            group = self.groups.get((cursor.recorder, unretired[0]))
+            if group is not None:
+                group.collective_completed = max(group.collective_completed, unretired[1])
         pending = cursor.pending_duration.get(record)
         if pending is None:
             return
@@ -630,7 +680,7 @@ class ProcessGroupReader:
         group = Group(pg_id, group_id, re.sub(r"[^a-z0-9_]", "_", label.lower())[:MAX_LABEL])
         group.seq_children = self._m.process_group_seq(group.label, group.name)
         status = cursor.status.get(pg_id, {})
-        group.enqueued = int(status.get("last_enqueued_collective", -1))
+        group.enqueued = group.status_enqueued = int(status.get("last_enqueued_collective", -1))
         group.completed = int(status.get("last_completed_collective", -1))
         self.groups[key] = group
         return group
