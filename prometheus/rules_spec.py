@@ -358,6 +358,27 @@ COLLECTIVE_BEHIND = (
     + "\n)\n"
     "unless on (run, rank) (rankscope_rank_state{SEL,state=~\"frozen|stuck_in_collective\"} == 1)")
 SEQ_BEHIND_RECORD = "rank_group:rankscope_process_group_seq:behind"
+# A rank that issued every collective its peers did, but whose collectives stopped completing
+# (its device stopped running its kernels: an assert in a kernel, an Xid, a hung kernel), more
+# than completion_behind_min behind the group's newest completion (gloo's completed number can
+# stay one short), while a peer has waited past the bar and it has stepped no more for as long.
+# CollectiveBehind compares what was issued and cannot see it. The value: completions behind.
+COMPLETION_BEHIND = (
+    "(\n"
+    "  max by (run, group, group_id) (rankscope_process_group_last_completed_seq{SEL})\n"
+    "  - on (run, group, group_id) group_right ()\n"
+    "  rankscope_process_group_last_completed_seq{SEL}\n"
+    ") > <<completion_behind_min>>\n"
+    "unless on (run, rank, group_id) (\n"
+    "  rankscope_process_group_last_enqueued_seq{SEL}\n"
+    "  < on (run, group, group_id) group_left ()\n"
+    "  max by (run, group, group_id) (rankscope_process_group_last_enqueued_seq{SEL})\n"
+    ")\n"
+    f"and on (run, group_id) (max by (run, group, group_id) ({LONG_WAITS_RECORD}))\n"
+    "and on (run, rank) (\n  " + _indent(stalled_past("<<collective_behind_wait_seconds>>", "<<hang_after_steps>>"))
+    + "\n)\n"
+    "unless on (run, rank) (rankscope_rank_state{SEL,state=\"frozen\"} == 1)")
+COMPLETION_BEHIND_RECORD = "rank_group:rankscope_process_group_completions:behind"
 # (Its exporter says a rank behind is waiting inside a collective itself: it issued it, and
 # is blocked like its peers. When a link between nodes goes down, gloo leaves the ranks on
 # one side a collective or two behind the other side's, all of them waiting: no culprit.)
@@ -379,6 +400,8 @@ NETWORK_STALL = (
     " > <<hang_peer_wait_seconds>>)\n"
     ")\n"
     "unless on (run) (rankscope_rank_up{SEL} == 0 or rankscope_rank_state{SEL,state=\"frozen\"} == 1)\n"
+    # A rank whose collectives stopped completing blocks the others inside theirs: not the network.
+    "unless on (run) " + COMPLETION_BEHIND_RECORD + "\n"
     "unless on (run) (\n"
     "  max_over_time(rankscope_rank_up{SEL}[<<node_lost_window>>])\n"
     "  unless on (run, rank) rankscope_rank_up{SEL}\n"
@@ -454,8 +477,8 @@ STARTUP_MISSING = ("(\n"
 
 # Causes whose peers stall: a dead, lost, hung or frozen rank blocks the others, and so does a
 # rank that never reaches the rendezvous, or never starts.
-STALL_CAUSES = ("rank_down|node_lost|hang_suspect|frozen|collective_behind|network_stall|startup_blocked"
-                "|startup_missing")
+STALL_CAUSES = ("rank_down|node_lost|hang_suspect|frozen|collective_behind|completion_behind|network_stall"
+                "|startup_blocked|startup_missing")
 # Causes that explain a low goodput and page or warn for it themselves: a dead,
 # lost, hung or frozen rank, a stall (the ranks' time goes to idle), an
 # input-bound rank (its time goes to data_wait). A straggler does not lower
@@ -624,6 +647,8 @@ RECORDING_RULES: tuple[Record, ...] = (
     cause("stage_imbalance", "RankscopeStageImbalance", STAGE_IMBALANCE),
     cause("load_imbalance", "RankscopeLoadImbalance", LOAD_IMBALANCE),
     cause("input_bound", "RankscopeInputBound", INPUT_BOUND),
+    Record(COMPLETION_BEHIND_RECORD, COMPLETION_BEHIND),
+    cause("completion_behind", "RankscopeCompletionsBehind", COMPLETION_BEHIND_RECORD),
     Record(NETWORK_STALL_RECORD, NETWORK_STALL),
     cause("network_stall", "RankscopeNetworkStall", NETWORK_STALL_RECORD),
     Record(STARTUP_WAIT_RECORD, STARTUP_WAIT),
@@ -747,6 +772,21 @@ ALERTS: tuple[Alert, ...] = (
           "{{ with printf `max(rankscope_process_group_last_enqueued_seq{SEL,run=\"%s\",group_id=\"%s\"})` "
           "$labels.run $labels.group_id | query }}seq {{ . | first | value }}{{ end }}. "
           "This rank has not issued that collective: it is the likely culprit." + EVIDENCE),
+    Alert("RankscopeCompletionsBehind",
+          COMPLETION_BEHIND_RECORD + "\n"
+          "unless on (run) run:rankscope_cause:present{cause=~\"rank_down|node_lost|hang_suspect|frozen\"}",
+          "critical",
+          "Run {{ $labels.run }} hangs in process group {{ $labels.group }}: the collectives of rank "
+          "{{ $labels.rank }} on node {{ $labels.node }} stopped completing",
+          "In " + WHO + ", the collectives of process group {{ $labels.group }} (id {{ $labels.group_id }}) "
+          "stopped completing at "
+          "{{ with printf `rankscope_process_group_last_completed_seq{SEL,run=\"%s\",rank=\"%s\",group_id=\"%s\"}` "
+          "$labels.run $labels.rank $labels.group_id | query }}seq {{ . | first | value }}{{ end }}, {{ $value }} "
+          "behind its peers, who completed up to "
+          "{{ with printf `max(rankscope_process_group_last_completed_seq{SEL,run=\"%s\",group_id=\"%s\"})` "
+          "$labels.run $labels.group_id | query }}seq {{ . | first | value }}{{ end }} and wait; it issued them as "
+          "they did. Its device stopped running its kernels (an assert in a kernel, an Xid, a hung kernel): it is "
+          "the likely culprit." + EVIDENCE),
     # Start-up: the ranks its peers wait for in the rendezvous, by name; those that never reported, counted.
     Alert("RankscopeStartupBlocked",
           STARTUP_BLOCKED_RECORD,
@@ -1146,6 +1186,9 @@ RULE_GROUPS: tuple[Group, ...] = (
         SEQ_BEHIND_RECORD,
         _cause("collective_behind"),
         "RankscopeCollectiveBehind",
+        COMPLETION_BEHIND_RECORD,
+        _cause("completion_behind"),
+        "RankscopeCompletionsBehind",
         NETWORK_STALL_RECORD,
         _cause("network_stall"),
         "RankscopeNetworkStall",
