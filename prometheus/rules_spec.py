@@ -857,6 +857,19 @@ ALERTS: tuple[Alert, ...] = (
           "Rank {{ $labels.rank }} of run {{ $labels.run }} is frozen",
           "In " + WHO + ", the process is alive but its heartbeat stopped {{ $value | humanizeDuration }} ago: "
           "the interpreter is stuck (GIL held in native code, SIGSTOP, D state)." + EVIDENCE),
+    # Two live processes claiming one rank of a run (a launcher's environment wrong on one node:
+    # RANK set by hand, a host list with a node twice). On one node the second Monitor() is
+    # refused; across nodes only the rules see both. Every rule that joins on (run, rank) is
+    # unsure of that rank meanwhile: said, not paged.
+    Alert("RankscopeDuplicateRank",
+          "count by (run, rank) (rankscope_rank_up{SEL} == 1) > 1",
+          "warning",
+          "Run {{ $labels.run }}: rank {{ $labels.rank }} is claimed by {{ $value }} live processes",
+          "In run {{ $labels.run }}, {{ $value }} live processes say they are rank {{ $labels.rank }}, on nodes"
+          "{{ range $i, $s := printf `rankscope_rank_up{SEL,run=\"%s\",rank=\"%s\"} == 1` $labels.run $labels.rank "
+          "| query | sortByLabel \"node\" }}{{ if $i }},{{ end }} {{ $s.Labels.node }}{{ end }}: the launcher's "
+          "environment (RANK, its node rank, the host list) is wrong on one of them. Alerts about this rank "
+          "may mix the two processes' figures."),
     # One alert per run that had live ranks behind the exporter (they are
     # invisible now), else one for the exporter itself.
     Alert("RankscopeTargetDown",
@@ -1205,6 +1218,7 @@ RULE_GROUPS: tuple[Group, ...] = (
         "RankscopeNodeLost",
         "RankscopeRankFrozen",
         "RankscopeTargetDown",
+        "RankscopeDuplicateRank",
     )),
     # Ranks stalled with no known cause: the stalled ranks recorded once, then the
     # stalled cause and RunStalled read them in the same evaluation.
