@@ -143,9 +143,12 @@ class Monitor:
         ring = ring_size()   # torch's flight-recorder ring, read once
         # From process start to the first step: which phase the rank is in (rendezvous: inside
         # init_process_group, seen through a pass-through put in its place until close()).
+        import torch.distributed as dist
+
         initialized = _dist_initialized()
         self.startup = StartupPhases(time.time() - (time.perf_counter() - process_start_perf()), initialized)
-        self._restore_init = watch_init(self.startup) if not initialized else _nothing
+        # A torch built without distributed has no init_process_group to watch.
+        self._restore_init = watch_init(self.startup) if dist.is_available() and not initialized else _nothing
         self.publisher = Publisher(self.metrics, self.handoff, self.accounting, self.tracker, self.device, memory,
                                    self.tracing, self.errors,
                                    FlightRecorder(self.run_dir, self.identity.rank, cfg.flight_recorder_after_s, ring),
