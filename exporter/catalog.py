@@ -14,6 +14,7 @@ from rankscope.contract.catalog import MetricSpec
 RANK_STATES: tuple[str, ...] = (
     "starting",             # registered, no step completed yet, not stuck
     "progressing",          # steps complete
+    "busy",                 # in a checkpoint or evaluation block it declared (monitor.checkpoint(), .evaluation())
     "stuck_in_collective",  # heartbeating, no step for a while, inside a collective
     "stuck",                # heartbeating, no step for a while, outside any collective
     "frozen",               # process alive, heartbeat stopped (SIGSTOP, GIL held in native code)
@@ -23,7 +24,7 @@ RANK_STATES: tuple[str, ...] = (
 # The states of a rank that is alive and not stepping: what a reader counts as stalled.
 STALLED_STATES: tuple[str, ...] = ("stuck_in_collective", "stuck", "frozen")
 # The states of a live process (starting up, stepping, or stalled).
-LIVE_STATES: tuple[str, ...] = ("starting", "progressing") + STALLED_STATES
+LIVE_STATES: tuple[str, ...] = ("starting", "progressing", "busy") + STALLED_STATES
 
 THROTTLE_REASONS: tuple[str, ...] = (
     "gpu_idle",

@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"times (long steps are not hangs) {default('stuck_after_steps')}")
     p.add_argument("--suspect-after", type=float, help="seconds peers wait in a collective before a rank outside it "
                    f"is a hang suspect {default('suspect_after_s')}")
+    p.add_argument("--first-step-suspect-after", type=float, help="... and for a rank before its first step (a first "
+                   f"compile, a checkpoint load) {default('first_step_suspect_after_s')}")
     p.add_argument("--retention", type=float, help="seconds a finished or dead run is still served, "
                    f"then its files are removed {default('retention_s')}")
     p.add_argument("--compact-after", type=float, help="seconds a rank process must have been dead before its "
@@ -85,6 +87,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
     return ExporterConfig.from_env(
         env, directory=args.dir, addr=args.addr, port=args.port, node=args.node,
         stuck_after_s=args.stuck_after, stuck_after_steps=args.stuck_after_steps, frozen_after_s=args.frozen_after, suspect_after_s=args.suspect_after,
+        first_step_suspect_after_s=args.first_step_suspect_after,
         retention_s=args.retention, compact_after_s=args.compact_after, exit_when_idle_s=args.exit_when_idle,
         rank_histograms=args.rank_histograms, nvml=False if args.no_nvml else None, web_config=args.web_config,
         evidence=False if args.no_evidence else None, evidence_max_episodes=args.evidence_max_episodes,

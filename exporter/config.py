@@ -44,6 +44,10 @@ class ExporterConfig:
     """Heartbeat older than this while the process is alive: frozen."""
     suspect_after_s: float = setting(default=10.0, env="RANKSCOPE_SUSPECT_AFTER_S", option="--suspect-after")
     """Peers waiting in a collective this long make a rank outside any collective a hang suspect."""
+    first_step_suspect_after_s: float = setting(default=120.0, env="RANKSCOPE_FIRST_STEP_SUSPECT_AFTER_S",
+                                                option="--first-step-suspect-after")
+    """... and for a rank that has not completed its first step, this long: a first compile or checkpoint
+    load may keep one rank far longer than its peers (the rules' first_step_wait_seconds)."""
     retention_s: float = setting(default=900.0, env="RANKSCOPE_RETENTION_S", option="--retention")
     """A run whose ranks are all gone is served this long, then its files are removed."""
     compact_after_s: float = setting(default=30.0, option="--compact-after")
@@ -73,7 +77,8 @@ class ExporterConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ExporterConfigError(f"{self.port} is not a TCP port (1-65535)", field="port")
-        for name in ("stuck_after_s", "stuck_after_steps", "frozen_after_s", "suspect_after_s", "retention_s"):
+        for name in ("stuck_after_s", "stuck_after_steps", "frozen_after_s", "suspect_after_s", "first_step_suspect_after_s",
+                     "retention_s"):
             if not getattr(self, name) > 0:
                 raise ExporterConfigError(f"must be > 0, got {getattr(self, name)!r}", field=name)
         if not self.compact_after_s >= 0:

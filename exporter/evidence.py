@@ -126,7 +126,7 @@ class EvidenceKeeper:
             with self._lock:
                 episode = self._episodes.get(key)
                 if trigger is None:
-                    if episode is not None and v.state in ("progressing", "starting", "finished"):
+                    if episode is not None and v.state in ("progressing", "busy", "starting", "finished"):
                         del self._episodes[key]
                     continue
                 if episode is not None:

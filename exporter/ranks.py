@@ -30,7 +30,7 @@ from rankscope.exporter.cardinality import reduce_histograms
 from rankscope.exporter.config import ExporterConfig
 from rankscope.exporter.evidence import EvidenceKeeper
 from rankscope.exporter.reader import MergedFamily, Reader
-from rankscope.contract.catalog import COLLECTIVE_OPS, EAGER_COLLECTIVE_OPS, IDENTITY_LABELS
+from rankscope.contract.catalog import BLOCKS, COLLECTIVE_OPS, EAGER_COLLECTIVE_OPS, IDENTITY_LABELS
 from rankscope.contract.rundir import (RANKS_SUBDIR, Registration, db_file_pid, latest_per_rank,
                                        load_registrations, process_state)
 
@@ -48,6 +48,7 @@ class RankView:
     state: str = "starting"
     suspect: bool = False
     step_time: float = 0.0   # the longest of the rank's recent steps (RecentStepTimes)
+    block_since: float = 0.0   # when it entered the checkpoint or evaluation block it is in (0: none)
 
     def stuck_after(self, cfg: ExporterConfig) -> float:
         """How long without a step is stuck for this rank: the configured floor, or a few of
@@ -55,16 +56,24 @@ class RankView:
         return max(cfg.stuck_after_s, cfg.stuck_after_steps * self.step_time)
 
 
+# A save that holds the GIL (a large pickle) stops the heartbeat for as long: inside a declared
+# block, a heartbeat this late is still the save's, not a frozen interpreter (SIGSTOP still is).
+BLOCK_FROZEN_AFTER_S = 300.0
+
+
 def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> None:
     """Fill in ``state`` and ``suspect`` for the ranks of one run on this node."""
     for v in views:
         stalled = now - (v.last_step or v.reg.started_at)
+        frozen_after = max(cfg.frozen_after_s, BLOCK_FROZEN_AFTER_S) if v.block_since else cfg.frozen_after_s
         if v.reg.finished_at:
             v.state = "finished"
         elif not v.alive or v.reg.failed_at:   # gone, or on its way out on an exception
             v.state = "dead"
-        elif process_state(v.reg.pid) == "T" or (v.heartbeat and now - v.heartbeat > cfg.frozen_after_s):
+        elif process_state(v.reg.pid) == "T" or (v.heartbeat and now - v.heartbeat > frozen_after):
             v.state = "frozen"
+        elif v.block_since:
+            v.state = "busy"   # its own checkpoint or evaluation: no step is due
         elif stalled > v.stuck_after(cfg) and (v.in_flight or v.last_step):
             v.state = "stuck_in_collective" if v.in_flight else "stuck"
         elif not v.last_step:
@@ -74,9 +83,16 @@ def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> Non
             v.state = "starting"
         else:
             v.state = "progressing"
-    waiting = [v for v in views if v.alive and v.in_flight
-               and now - min(v.in_flight.values()) > cfg.suspect_after_s]
-    if not waiting:
+    if any(v.state == "busy" for v in views):
+        # Its peers wait for it in a collective (a barrier after rank 0's save): not stuck, and
+        # nobody is a suspect. A block past the rules' bar (block_stall_seconds) is paged there.
+        for v in views:
+            if v.state == "stuck_in_collective":
+                v.state = "progressing" if v.last_step else "starting"
+        return
+    waits = [now - min(v.in_flight.values()) for v in views if v.alive and v.in_flight]
+    longest_wait = max(waits, default=0.0)
+    if longest_wait <= cfg.suspect_after_s:
         return
     for v in views:
         stalled = now - (v.last_step or v.reg.started_at)
@@ -84,7 +100,11 @@ def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> Non
             continue
         outside = not v.in_flight or v.state == "frozen"
         # Between two long steps a rank is outside any collective for a while: not a suspect.
-        v.suspect = outside and stalled > max(cfg.suspect_after_s, cfg.stuck_after_steps * v.step_time)
+        # Before its first step, a compile or a checkpoint load may keep it far longer than its
+        # peers, who wait in the first collective: a suspect once they waited past that bar.
+        first_step_ok = v.last_step or longest_wait > cfg.first_step_suspect_after_s
+        v.suspect = bool(outside and first_step_ok
+                         and stalled > max(cfg.suspect_after_s, cfg.stuck_after_steps * v.step_time))
         if v.suspect and v.state == "starting" and stalled > v.stuck_after(cfg):
             v.state = "stuck"   # its peers wait for it: a start-up hang
 
@@ -196,6 +216,8 @@ class RankCollector:
             v = RankView(reg=reg, alive=alive[(reg.rank, reg.pid)])
             v.heartbeat = index.get(("rankscope_heartbeat_timestamp_seconds",) + key, 0.0)
             v.last_step = index.get(("rankscope_last_step_timestamp_seconds",) + key, 0.0)
+            v.block_since = max((index.get(("rankscope_block_started_timestamp_seconds",) + key + (block,), 0.0)
+                                 for block in BLOCKS), default=0.0)
             v.step_time = self.step_times.longest(
                 run_dir, reg, v.last_step, index.get(("rankscope_step_last_duration_seconds",) + key, 0.0))
             for op in COLLECTIVE_OPS:
@@ -252,7 +274,7 @@ def _last_seen(v: RankView) -> float:
 def _index(merged: Iterable[Metric]) -> dict[tuple, float]:
     """(metric name, run, rank[, op]) -> value, for the series the states are derived from."""
     wanted = {"rankscope_heartbeat_timestamp_seconds", "rankscope_last_step_timestamp_seconds",
-              "rankscope_step_last_duration_seconds",
+              "rankscope_step_last_duration_seconds", "rankscope_block_started_timestamp_seconds",
               "rankscope_collective_in_flight", "rankscope_collective_started_timestamp_seconds"}
     out: dict[tuple, float] = {}
     for metric in merged:
@@ -262,16 +284,20 @@ def _index(merged: Iterable[Metric]) -> dict[tuple, float]:
             for _, labels, value in metric.items():
                 labels = dict(labels)
                 key = (metric.name, labels.get("run", ""), labels.get("rank", ""))
-                if "op" in labels:
-                    key += (labels["op"],)
-                out[key] = value
+                out[key + _detail(labels)] = value
             continue
         for s in metric.samples:
             key = (metric.name, s.labels.get("run", ""), s.labels.get("rank", ""))
-            if "op" in s.labels:
-                key += (s.labels["op"],)
-            out[key] = s.value
+            out[key + _detail(s.labels)] = s.value
     return out
+
+
+def _detail(labels: dict[str, str]) -> tuple[str, ...]:
+    """The label that tells a metric's series of one rank apart: its op or its block."""
+    for name in ("op", "block"):
+        if name in labels:
+            return (labels[name],)
+    return ()
 
 
 def _derived_families() -> dict[str, GaugeMetricFamily]:

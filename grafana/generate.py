@@ -266,7 +266,7 @@ def new_dashboard(uid: str, title: str, description: str) -> dash.Dashboard:
 
 STATE_CODES = {i: s for i, s in enumerate(RANK_STATES)}
 STATE_COLORS = {
-    "starting": "blue", "progressing": "green", "stuck_in_collective": "orange", "stuck": "orange",
+    "starting": "blue", "progressing": "green", "busy": "dark-green", "stuck_in_collective": "orange", "stuck": "orange",
     "frozen": "purple", "dead": "red", "finished": "text",
 }
 # One number per rank: the index of its one-hot state, so a state timeline
@@ -459,7 +459,7 @@ def ranks_and_stragglers() -> dash.Dashboard:
 
     d = d.with_row(dash.Row("Liveness and hangs"))
     d = d.with_panel(state_timeline(
-        "Rank states", "progressing / stuck (in a collective or not) / frozen / dead / finished, per rank.",
+        "Rank states", "progressing / busy (its own checkpoint or evaluation) / stuck (in a collective or not) / frozen / dead / finished, per rank.",
         "none", [query(RANK_STATE_CODE, "rank {{rank}} ({{node}})")],
         value_mappings({i: (s, STATE_COLORS[s]) for i, s in STATE_CODES.items()})))
     d = d.with_panel(table_panel(

@@ -137,6 +137,35 @@ def stalled_past(bar: str, steps: str) -> str:
 RANK_DOWN = ("rankscope_rank_up{SEL} == 0\n"
              "unless on (run, rank) (rankscope_rank_state{SEL,state=\"finished\"} == 1)")
 
+# A rank in a checkpoint or evaluation block it declared (monitor.checkpoint(),
+# monitor.evaluation()), for less than block_stall_seconds: busy with its own work,
+# not hung, and its peers may wait for it in a collective meanwhile (rank 0 saves, the
+# others wait in a barrier). Its run is judged by no hang, behind or stall rule
+# meanwhile; a block older than the bar is a pause like any other (HangSuspect names
+# the rank, or RunStalled pages). Recorded first in the hang group, which reads it.
+BLOCK_RECORD = "run:rankscope_ranks:in_block"
+BLOCK = ("count by (run) (\n"
+         "  (timestamp(rankscope_block_started_timestamp_seconds{SEL}) - rankscope_block_started_timestamp_seconds{SEL})"
+         " < <<block_stall_seconds>>\n"
+         "  and rankscope_block_started_timestamp_seconds{SEL} > 0\n"
+         "  and on (run, rank) (rankscope_rank_up{SEL} == 1)\n"
+         ")")
+NOT_IN_BLOCK = "unless on (run) " + BLOCK_RECORD
+# What a hang or stall page adds when the rank is in a block past the bar: the block itself hangs.
+BLOCK_OVERDUE = ("{{ with printf `rankscope_block_started_timestamp_seconds{SEL,run=\"%s\",rank=\"%s\"} > 0` "
+                 "$labels.run $labels.rank | query }}{{ range . }} It has been in its {{ .Labels.block }} block "
+                 "(monitor.checkpoint() or evaluation()) for over <<block_stall_seconds>>s: the block itself "
+                 "hangs (a stuck write, a collective inside it).{{ end }}{{ end }}")
+
+
+def before_first_step(longest_wait: str) -> str:
+    """A rank that has not completed its first step, unless the run's longest wait is past
+    first_step_wait_seconds: a first compile or checkpoint load may take one rank far longer
+    than its peers, who wait for it in the first collective meanwhile."""
+    return (f"unless on (run, rank) (\n  rankscope_steps_total{{SEL}} == 0\n"
+            f"  unless on (run) (max by (run) ({longest_wait}) > <<first_step_wait_seconds>>)\n)")
+
+
 # A live rank outside any collective while its peers wait in one. The exporter
 # marks it when the peers are on its node; the second branch finds the same
 # across nodes. A frozen rank is excluded: RankscopeRankFrozen says more (the
@@ -150,9 +179,10 @@ HANG_SUSPECT = (
     "    and on (run) (max by (run) (rankscope_collective_in_flight_seconds{SEL}) > <<hang_peer_wait_seconds>>)\n"
     "    and on (run, rank) (\n      "
     + _indent(stalled_past("<<hang_peer_wait_seconds>>", "<<hang_after_steps>>"), "      ") + "\n    )\n"
+    "    " + _indent(before_first_step("rankscope_collective_in_flight_seconds{SEL}"), "    ") + "\n"
     "  )\n"
     ")\n"
-    "unless on (run, rank) (rankscope_rank_state{SEL,state=\"frozen\"} == 1)")
+    "unless on (run, rank) (rankscope_rank_state{SEL,state=\"frozen\"} == 1)\n" + NOT_IN_BLOCK)
 
 RANK_FROZEN = ("rankscope_heartbeat_age_seconds{SEL}\n"
                "and on (run, rank) (rankscope_rank_state{SEL,state=\"frozen\"} == 1)")
@@ -177,7 +207,7 @@ STALLED = (
     "  )\n"
     "  or (\n    " + _indent(stalled_past("<<startup_stall_seconds>>", "<<stall_after_steps>>"), "    ") + "\n  )\n"
     ")\n"
-    "unless on (run, rank) (increase(rankscope_steps_total{SEL}[<<progress_window>>]) > 0)")
+    "unless on (run, rank) (increase(rankscope_steps_total{SEL}[<<progress_window>>]) > 0)\n" + NOT_IN_BLOCK)
 
 # HANG_SUSPECT and STALLED, each recorded once per evaluation in the group of the
 # alert that pages on it, before the alert and the cause that read it (the same
@@ -356,7 +386,8 @@ COLLECTIVE_BEHIND = (
     SEQ_BEHIND + "\n"
     "and on (run, rank) (\n  " + _indent(stalled_past("<<collective_behind_wait_seconds>>", "<<hang_after_steps>>"))
     + "\n)\n"
-    "unless on (run, rank) (rankscope_rank_state{SEL,state=~\"frozen|stuck_in_collective\"} == 1)")
+    "unless on (run, rank) (rankscope_rank_state{SEL,state=~\"frozen|stuck_in_collective\"} == 1)\n"
+    + before_first_step(LONG_WAITS_RECORD) + "\n" + NOT_IN_BLOCK)
 SEQ_BEHIND_RECORD = "rank_group:rankscope_process_group_seq:behind"
 # A rank that issued every collective its peers did, but whose collectives stopped completing
 # (its device stopped running its kernels: an assert in a kernel, an Xid, a hung kernel), more
@@ -377,7 +408,8 @@ COMPLETION_BEHIND = (
     f"and on (run, group_id) (max by (run, group, group_id) ({LONG_WAITS_RECORD}))\n"
     "and on (run, rank) (\n  " + _indent(stalled_past("<<collective_behind_wait_seconds>>", "<<hang_after_steps>>"))
     + "\n)\n"
-    "unless on (run, rank) (rankscope_rank_state{SEL,state=\"frozen\"} == 1)")
+    "unless on (run, rank) (rankscope_rank_state{SEL,state=\"frozen\"} == 1)\n"
+    + before_first_step(LONG_WAITS_RECORD) + "\n" + NOT_IN_BLOCK)
 COMPLETION_BEHIND_RECORD = "rank_group:rankscope_process_group_completions:behind"
 # (Its exporter says a rank behind is waiting inside a collective itself: it issued it, and
 # is blocked like its peers. When a link between nodes goes down, gloo leaves the ranks on
@@ -407,7 +439,7 @@ NETWORK_STALL = (
     "  unless on (run, rank) rankscope_rank_up{SEL}\n"
     ")\n"
     # Across nodes only: on one node nothing crosses a network (RunStalled pages that stall).
-    "and on (run) (count by (run) (count by (run, node) (rankscope_rank_up{SEL})) > 1)")
+    "and on (run) (count by (run) (count by (run, node) (rankscope_rank_up{SEL})) > 1)\n" + NOT_IN_BLOCK)
 NETWORK_STALL_RECORD = "run:rankscope_ranks:blocked_in_collectives"
 
 # A node retransmitting a share of its TCP segments (gloo, NCCL over sockets) while the
@@ -632,6 +664,7 @@ RECORDING_RULES: tuple[Record, ...] = (
     # not stepped for as long and is not frozen.
     Record(SEQ_BEHIND_RECORD, COLLECTIVE_BEHIND),
     # ---- hang suspects and stalled ranks (read by their alerts and causes) -----
+    Record(BLOCK_RECORD, BLOCK),
     Record(HANG_SUSPECT_RECORD, HANG_SUSPECT),
     Record(STALLED_RECORD, STALLED),
     # ---- causes present in a run (1 per cause): their victims are not blamed ---
@@ -746,7 +779,7 @@ ALERTS: tuple[Alert, ...] = (
           "while its peers wait in "
           "{{ with printf `topk(1, max by (op) (rankscope_collective_in_flight_seconds{SEL,run=\"%s\"}) > 0)` "
           "$labels.run | query }}{{ range . }}{{ .Labels.op }} (for {{ .Value | humanizeDuration }})"
-          "{{ end }}{{ else }}a collective{{ end }}. This rank is the likely culprit." + EVIDENCE),
+          "{{ end }}{{ else }}a collective{{ end }}. This rank is the likely culprit." + BLOCK_OVERDUE + EVIDENCE),
     # The same hang located by sequence numbers, for every process group and
     # across nodes: FSDP, tensor parallel, pipeline and sub-group collectives,
     # which the rank-state suspect (HangSuspect: DDP and explicit collectives)
@@ -850,7 +883,7 @@ ALERTS: tuple[Alert, ...] = (
           "In " + WHO + ", no step completed for {{ $value | humanizeDuration }}"
           "{{ with printf `rankscope_collective_in_flight_seconds{SEL,run=\"%s\",rank=\"%s\"} > 0` "
           "$labels.run $labels.rank | query }}{{ range . }}; it waits in {{ .Labels.op }} for "
-          "{{ .Value | humanizeDuration }}{{ end }}{{ else }}; it is in no collective{{ end }}." + EVIDENCE),
+          "{{ .Value | humanizeDuration }}{{ end }}{{ else }}; it is in no collective{{ end }}." + BLOCK_OVERDUE + EVIDENCE),
     Alert("RankscopeRankFrozen",
           RANK_FROZEN_RECORD,
           "critical",
@@ -1082,6 +1115,7 @@ ALERTS: tuple[Alert, ...] = (
 # costs half (docs/scaling.md). tests/unit/test_rules.py checks that no page waits on
 # a less frequent group: a critical alert, and every record it reads, is PAGING.
 PAGING = "rule_interval"            # pages, and what they read (Prometheus's global interval, 15 s)
+HANG = "hang_rule_interval"         # hangs and liveness: pages in the first minute, and what they read (5 s)
 WARNING = "warning_rule_interval"   # warnings (chat, not pager), and records only they read (30 s)
 SLOW = "slow_rule_interval"         # warnings over long windows with `for:` >= 10 m; dashboard summaries (1 m)
 
@@ -1175,7 +1209,7 @@ RULE_GROUPS: tuple[Group, ...] = (
         _cause("rank_down"),
         _cause("node_lost"),
         _cause("frozen"),
-    )),
+    ), HANG),
     # Every process group's front and waits (dashboards, and CollectiveBehind's
     # description), every minute: CollectiveBehind's own expression reads the raw series.
     Group("rankscope.recording.process_groups", (
@@ -1192,6 +1226,7 @@ RULE_GROUPS: tuple[Group, ...] = (
     # the hang_suspect cause just recorded names the hang. First of the alert groups:
     # their causes are read by the liveness, stall and bottleneck alerts.
     Group("rankscope.alerts.hangs", (
+        BLOCK_RECORD,
         HANG_SUSPECT_RECORD,
         _cause("hang_suspect"),
         "RankscopeHangSuspect",
@@ -1212,14 +1247,14 @@ RULE_GROUPS: tuple[Group, ...] = (
         STARTUP_MISSING_RECORD,
         _cause("startup_missing"),
         "RankscopeStartupRanksMissing",
-    )),
+    ), HANG),
     Group("rankscope.alerts.liveness", (
         "RankscopeRankDown",
         "RankscopeNodeLost",
         "RankscopeRankFrozen",
         "RankscopeTargetDown",
         "RankscopeDuplicateRank",
-    )),
+    ), HANG),
     # Ranks stalled with no known cause: the stalled ranks recorded once, then the
     # stalled cause and RunStalled read them in the same evaluation.
     Group("rankscope.alerts.stalls", (

@@ -39,7 +39,8 @@ def _fast(path) -> bool:
 
 def pytest_ignore_collect(collection_path, config):
     """With exactly -m "not integration" (the fast tier), do not even import the other tiers."""
-    if " ".join(config.getoption("markexpr", "").split()) not in ("not integration", "not integration and not matrix"):
+    if " ".join(config.getoption("markexpr", "").split()) not in ("not integration", "not integration and not matrix",
+                                                                     "not integration and not matrix and not soak"):
         return None
     if collection_path.is_dir():
         inside = collection_path.resolve()

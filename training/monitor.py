@@ -279,9 +279,15 @@ class Monitor:
             raise UsageError(f"monitor.{category.split('_')[0]}() inside another checkpoint or evaluation block: "
                              "blocks do not nest")
         t0 = timer.block_started = time.perf_counter()
+        # Written here, not by the publisher: a save that holds the GIL from its first
+        # instruction (a large pickle) would keep the publisher from saying so until it ends.
+        # One mmap write each way, at the block's edges only.
+        block_gauge = self.metrics.block_started[category]
+        block_gauge.set(time.time())
         try:
             yield
         finally:
+            block_gauge.set(0.0)
             timer.block_started = 0.0
             self.handoff.interval_ended(category, t0, time.perf_counter())
 

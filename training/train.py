@@ -88,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     n.add_argument("--loss-noise", type=float, default=0.0, metavar="R", help="multiply the loss by 1 +- R")
     n.add_argument("--eval-pause", type=float, default=0.0, metavar="S", help="extra seconds per evaluation")
     n.add_argument("--checkpoint-pause", type=float, default=0.0, metavar="S", help="seconds each checkpoint takes")
+    n.add_argument("--save-on-rank0-only", action="store_true",
+                   help="only rank 0 saves, spending the pause inside monitor.checkpoint(); the others wait for it "
+                   "in a barrier outside any block, as loops that save on rank 0 do (ddp)")
     f = p.add_argument_group("fault injection")
     f.add_argument("--fault-rank", type=int, default=None, help="rank the faults target (default: the last rank)")
     f.add_argument("--all-ranks", action="store_true", help="the faults target every rank")
@@ -127,6 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.stage_cost = [float(c) for c in args.stage_cost.split(",")] if args.stage_cost else [1.0] * args.stages
     except ValueError:
         p.error(f"--stage-cost {args.stage_cost!r}: expected numbers separated by commas")
+    if args.save_on_rank0_only and args.parallelism != "ddp":
+        p.error("--save-on-rank0-only: only the ddp job saves on one rank (sharded jobs save on every rank)")
     if args.parallelism == "pipeline" and args.checkpoint_every:
         p.error("--checkpoint-every: the pipeline job does not checkpoint")
     if len(args.stage_cost) != args.stages or min(args.stage_cost) <= 0:
@@ -422,7 +427,12 @@ def train(args: argparse.Namespace, monitor: Monitor, device: torch.device) -> N
                 eval_loss_metric.set(eval_loss)
                 if rank == 0:
                     print(f"step {step}: eval loss {eval_loss:.4f} accuracy {acc:.3f}", flush=True)
-            if args.checkpoint_every and step % args.checkpoint_every == 0:
+            if args.checkpoint_every and step % args.checkpoint_every == 0 and args.save_on_rank0_only:
+                if rank == 0:
+                    with monitor.checkpoint("save"):
+                        save_checkpoint(args.checkpoint_dir, step, model, opt, args.checkpoint_pause, barrier=False)
+                dist.barrier()   # the other ranks wait here, in no block of their own
+            elif args.checkpoint_every and step % args.checkpoint_every == 0:
                 with monitor.checkpoint("save"):
                     save_checkpoint(args.checkpoint_dir, step, model, opt, args.checkpoint_pause)
             if rank == 0 and step % args.print_every == 0:
@@ -454,9 +464,10 @@ class CommCounts:
 
 
 def save_checkpoint(directory: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer,
-                    pause_s: float) -> None:
-    """Rank 0 saves the step, the model and the optimizer; every rank spends ``pause_s``
-    on it, as ranks wait for a real checkpoint of a large model."""
+                    pause_s: float, barrier: bool = True) -> None:
+    """Rank 0 saves the step, the model and the optimizer; every rank that calls it spends
+    ``pause_s`` on it, as ranks wait for a real checkpoint of a large model, then (``barrier``)
+    waits for the others."""
     if not isinstance(model, DDP):   # sharded (fsdp2, 2d): every rank writes its shards
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -471,7 +482,8 @@ def save_checkpoint(directory: Path, step: int, model: nn.Module, opt: torch.opt
         torch.save(state, tmp)
         os.replace(tmp, directory / "checkpoint.pt")
     time.sleep(pause_s)
-    dist.barrier()
+    if barrier:
+        dist.barrier()
 
 
 def load_checkpoint(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -> int:

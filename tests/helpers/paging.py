@@ -75,12 +75,16 @@ class Noise:
     eval_pause_s: float = 2.0
     checkpoint_every: int = 1000
     checkpoint_pause_s: float = 4.0
+    # Rank 0 saves inside monitor.checkpoint() while the other ranks wait for it in a barrier,
+    # outside any block: what a hang looks like, but for the block.
+    save_on_rank0_only: bool = True
 
     def args(self) -> list[str]:
         return ["--jitter", str(self.jitter), "--loss-noise", str(self.loss_noise),
                 "--eval-every", str(self.eval_every), "--eval-pause", str(self.eval_pause_s),
                 "--checkpoint-every", str(self.checkpoint_every),
-                "--checkpoint-pause", str(self.checkpoint_pause_s)]
+                "--checkpoint-pause", str(self.checkpoint_pause_s),
+                *(["--save-on-rank0-only"] if self.save_on_rank0_only else [])]
 
 
 # The 2-minute run at the fast thresholds: pauses scaled to the fast rules' windows.
@@ -88,6 +92,10 @@ FAST_NOISE = Noise()
 # The 10-minute run at the production thresholds, as the alerting docs describe a
 # healthy job: an evaluation every 2 minutes, a 20-second checkpoint.
 PRODUCTION_NOISE = Noise(eval_every=2400, eval_pause_s=10.0, checkpoint_every=3000, checkpoint_pause_s=20.0)
+# The 30-minute soak at the production thresholds (bash tests/run.sh --soak): a 2-minute
+# checkpoint (rank 0 saves, the other rank waits in a barrier: far past every hang bar) and a
+# 3-minute evaluation (past RunStalled's 180 s), each more than once, a restart between.
+SOAK_NOISE = Noise(eval_every=12000, eval_pause_s=180.0, checkpoint_every=8000, checkpoint_pause_s=120.0)
 
 
 @dataclass

@@ -319,14 +319,14 @@ def test_the_counting_tool(one_run_dir, capsys):
     from rankscope.exporter.sizing import count_series, main
 
     full, reduced = count_series(one_run_dir, "full"), count_series(one_run_dir, "node-buckets")
-    assert full[""] == {"per_rank": {}, "node": 12}   # info, the health of the ranks and evidence collectors (2 each), 7 state counts
+    assert full[""] == {"per_rank": {}, "node": 13}   # info, the health of the ranks and evidence collectors (2 each), 8 state counts
     buckets = 18 + 14 + 2 * 16 + 2 * 16
     assert set(full["job-a"]["per_rank"]) == {"0", "1", "2", "3"}
     assert {r: n - buckets for r, n in full["job-a"]["per_rank"].items()} == reduced["job-a"]["per_rank"]
     assert (full["job-a"]["node"], reduced["job-a"]["node"]) == (0, buckets + 2 * 6)
     assert main(["--dir", str(one_run_dir)]) == 0
     per_rank = full["job-a"]["per_rank"]["0"]
-    assert f"| job-a | sum-count | 4 | {per_rank - buckets} | 0 | 12 | {8 * (per_rank - buckets) + 12} |" \
+    assert f"| job-a | sum-count | 4 | {per_rank - buckets} | 0 | 13 | {8 * (per_rank - buckets) + 13} |" \
         in capsys.readouterr().out
 
 

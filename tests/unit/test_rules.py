@@ -17,7 +17,7 @@ import yaml
 
 from rankscope.exporter.catalog import EXPORTER_METRICS
 from prometheus import generate
-from prometheus.rules_spec import ALERTS, PAGING, RECORDING_RULES, RULE_GROUPS, SLOW, WARNING, rule_key
+from prometheus.rules_spec import ALERTS, HANG, PAGING, RECORDING_RULES, RULE_GROUPS, SLOW, WARNING, rule_key
 from rankscope.contract.catalog import RANK_METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,9 +84,10 @@ def _groups(*paths: Path) -> list[dict]:
 
 
 def test_rule_groups_are_rendered_in_order_with_their_intervals(tmp_path):
-    """RULE_GROUPS, in order, record-only groups in recording.yml; the paging groups evaluate at
-    Prometheus's global interval, most warnings' every 30 s, the slow ones (dashboard summaries,
-    long-window warnings) every minute; every group evaluates every second in the fast variant."""
+    """RULE_GROUPS, in order, record-only groups in recording.yml; the hang and liveness groups
+    every 5 s, the other paging groups at Prometheus's global interval, most warnings' every 30 s,
+    the slow ones (dashboard summaries, long-window warnings) every minute; every group evaluates
+    every second in the fast variant."""
     groups = _groups(*RULE_FILES)
     assert [g["name"] for g in groups] == [g.name for g in RULE_GROUPS]
     assert all("alert" not in r for g in _groups(RULE_FILES[0]) for r in g["rules"])
@@ -96,7 +97,8 @@ def test_rule_groups_are_rendered_in_order_with_their_intervals(tmp_path):
         "rankscope.recording.phase_fractions": "30s", "rankscope.recording.goodput_memory": "30s",
         "rankscope.alerts.spikes": "30s", "rankscope.alerts.memory": "30s", "rankscope.alerts.bottlenecks": "30s",
         "rankscope.recording.slow": "1m", "rankscope.recording.summaries": "1m",
-        "rankscope.recording.process_groups": "1m", "rankscope.alerts.slow": "1m"}
+        "rankscope.recording.process_groups": "1m", "rankscope.alerts.slow": "1m",
+        "rankscope.recording.liveness": "5s", "rankscope.alerts.hangs": "5s", "rankscope.alerts.liveness": "5s"}
     generate.main(["--override", str(PROM / "fast.yaml"), "--out", str(tmp_path)])
     fast = _groups(tmp_path / generate.RECORDING_FILE, tmp_path / generate.ALERTS_FILE)
     assert [g.get("interval") for g in fast] == ["1s"] * len(RULE_GROUPS)
@@ -118,7 +120,7 @@ def test_a_record_read_in_its_own_group_is_evaluated_before_its_readers():
             assert not early, (group["name"], rule.get("alert") or rule.get("record"), early)
 
 
-_FOR_AT_LEAST = {PAGING: 0, WARNING: 0, SLOW: 600}   # seconds of `for:` an alert needs in such a group
+_FOR_AT_LEAST = {HANG: 0, PAGING: 0, WARNING: 0, SLOW: 600}   # seconds of `for:` an alert needs in such a group
 
 
 def _causes_read(expr: str) -> set[str] | None:
@@ -135,9 +137,11 @@ def _causes_read(expr: str) -> set[str] | None:
 
 
 def test_no_page_waits_on_a_less_frequent_group():
-    """A critical alert evaluates at the paging interval, and so does every record it reads,
-    directly or through other records. Warnings (chat) may evaluate every 30 s; those of the
-    1 m groups wait 10 m or more anyway (their `for:`), so the minute is a fraction of it."""
+    """A critical alert evaluates at the paging interval or the hang interval (more often), and so
+    does every record it reads, directly or through other records; one of the hang groups reads
+    only records of the hang groups (its page must not wait on a 15 s record). Warnings (chat) may
+    evaluate every 30 s; those of the 1 m groups wait 10 m or more anyway (their `for:`), so the
+    minute is a fraction of it."""
     config = generate.load_thresholds()
     interval_of = {}   # record name (a cause as run:rankscope_cause:present{cause}) -> interval key
     for group in RULE_GROUPS:
@@ -156,12 +160,13 @@ def test_no_page_waits_on_a_less_frequent_group():
         assert generate.duration_seconds(config["for"][alert.alert]) >= _FOR_AT_LEAST[group], alert.alert
         if alert.severity != "critical":
             continue
-        assert group == PAGING, alert.alert
+        assert group in (PAGING, HANG), alert.alert
+        allowed = (HANG,) if group == HANG else (PAGING, HANG)
         seen, todo = set(), records_read(alert.alert)
         while todo:
             record = todo.pop()
             seen.add(record)
-            assert interval_of[record] == PAGING, (alert.alert, record)
+            assert interval_of[record] in allowed, (alert.alert, record)
             todo |= records_read(record) - seen
 
 

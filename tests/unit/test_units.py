@@ -264,8 +264,14 @@ def test_long_steps_are_not_hangs_but_a_hang_in_them_is_found_within_three_steps
     first = [_view(5, heartbeat=now, started=now - 40), _view(6, heartbeat=now, started=now - 40)]
     derive_states(first, cfg, now)
     assert [v.state for v in first] == ["starting", "starting"] and not any(v.suspect for v in first)
-    at_start = [_view(7, heartbeat=now, started=now - 40), _view(8, heartbeat=now, started=now - 40,
-                                                                 in_flight={"broadcast": now - 35})]
+    # A first compile may keep one rank far longer than its peer, who waits for it in the first
+    # collective: not a suspect until the peer has waited first_step_suspect_after_s (120 s).
+    compiling = [_view(7, heartbeat=now, started=now - 40), _view(8, heartbeat=now, started=now - 40,
+                                                                  in_flight={"broadcast": now - 35})]
+    derive_states(compiling, cfg, now)
+    assert [v.state for v in compiling] == ["starting", "stuck_in_collective"] and not compiling[0].suspect
+    at_start = [_view(7, heartbeat=now, started=now - 140), _view(8, heartbeat=now, started=now - 140,
+                                                                  in_flight={"broadcast": now - 125})]
     derive_states(at_start, cfg, now)
     assert [v.state for v in at_start] == ["stuck", "stuck_in_collective"] and at_start[0].suspect
     short = [rank(4, 40, False, step_time=0.05)]   # a fast job keeps today's 30 s
@@ -273,6 +279,26 @@ def test_long_steps_are_not_hangs_but_a_hang_in_them_is_found_within_three_steps
     assert short[0].state == "stuck"
     times.forget_except([])
     assert times.longest(tmp_path, short[0].reg, 0.0, 0.0) == 0.0
+
+
+def test_a_rank_in_its_own_checkpoint_is_busy_and_its_waiting_peers_are_not_stuck(tmp_path):
+    """Rank 0 saves inside monitor.checkpoint() for two minutes, its heartbeat a minute old (the
+    save holds the GIL); rank 1 waits for it in a barrier: busy and progressing, no suspect. Past
+    5 minutes without a heartbeat the saving rank is frozen; out of the block, the same picture is
+    a hang with rank 0 its suspect."""
+    cfg = ExporterConfig(directory=tmp_path, stuck_after_s=30, frozen_after_s=10, suspect_after_s=10)
+    now = time.time()
+
+    def picture(block_since: float, heartbeat_age: float) -> list:
+        saving = _view(0, heartbeat=now - heartbeat_age, last_step=now - 121)
+        saving.block_since = block_since
+        waiting = _view(1, heartbeat=now, last_step=now - 121, in_flight={"barrier": now - 120})
+        derive_states([saving, waiting], cfg, now)
+        return [(v.state, v.suspect) for v in (saving, waiting)]
+
+    assert picture(now - 120, 60) == [("busy", False), ("progressing", False)]
+    assert picture(now - 120, 400) == [("frozen", True), ("stuck_in_collective", False)]
+    assert picture(0.0, 0.5) == [("stuck", True), ("stuck_in_collective", False)]
 
 
 def test_no_suspect_while_collectives_are_short(tmp_path):

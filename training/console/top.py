@@ -35,6 +35,7 @@ from rankscope.contract.catalog import PHASES
 STATE_STYLES = {
     "starting": "cyan",
     "progressing": "green",
+    "busy": "bright_blue",
     "stuck_in_collective": "bold yellow",
     "stuck": "bold red",
     "frozen": "bold magenta",

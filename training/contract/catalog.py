@@ -27,6 +27,9 @@ PHASES: tuple[str, ...] = ("data", "forward", "backward", "optimizer", "comm_wai
 # first_step   its process group made, no step completed yet (a first compile, a checkpoint load)
 # training     a step completed
 STARTUP_PHASES: tuple[str, ...] = ("launch", "rendezvous", "first_step", "training")
+# The rank's own declared work between steps (``with monitor.checkpoint()`` / ``monitor.evaluation()``),
+# known while it runs: a rank in one is busy, not hung, and its peers waiting for it are not stuck.
+BLOCKS: tuple[str, ...] = ("checkpoint_save", "checkpoint_restore", "evaluation")
 COLLECTIVE_OPS: tuple[str, ...] = (
     "all_reduce",
     "all_gather",
@@ -182,6 +185,10 @@ RANK_METRICS: tuple[MetricSpec, ...] = (
        ("phase",)),
     _g("rankscope_startup_phase_since_timestamp_seconds",
        "Unix time at which the rank entered its start-up phase (launch: the process's start)."),
+    _g("rankscope_block_started_timestamp_seconds",
+       "Unix time at which the rank entered the checkpoint or evaluation block it is in (monitor.checkpoint(), "
+       "monitor.evaluation()), 0 for the others: a rank busy with its own declared work, whose peers may wait "
+       "for it in a collective meanwhile.", ("block",), mode="livemostrecent"),
     _g("rankscope_heartbeat_timestamp_seconds",
        "Unix time of the rank's last heartbeat (a background thread beats while the interpreter runs).",
        mode="livemostrecent"),

@@ -98,6 +98,8 @@ class RankMetrics:
             self.launch_world_size = b("rankscope_launch_world_size")
             self.startup_phase = {p: m["rankscope_startup_phase"].labels(*ident, p) for p in catalog.STARTUP_PHASES}
             self.startup_since = b("rankscope_startup_phase_since_timestamp_seconds")
+            self.block_started = {k: m["rankscope_block_started_timestamp_seconds"].labels(*ident, k)
+                                  for k in catalog.BLOCKS}
             self.heartbeat = b("rankscope_heartbeat_timestamp_seconds")
             # Around a step's values (publisher.write_step_values; rankscope.exporter.reader)
             self.values_fence_end = b(catalog.VALUES_FENCE_END)
