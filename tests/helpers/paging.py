@@ -88,7 +88,7 @@ class Noise:
 
 
 # The 2-minute run at the fast thresholds: pauses scaled to the fast rules' windows.
-FAST_NOISE = Noise()
+FAST_NOISE = Noise(checkpoint_pause_s=8.0)   # past the fast hang bars (3 s + 2 s): only the block keeps it quiet
 # The 10-minute run at the production thresholds, as the alerting docs describe a
 # healthy job: an evaluation every 2 minutes, a 20-second checkpoint.
 PRODUCTION_NOISE = Noise(eval_every=2400, eval_pause_s=10.0, checkpoint_every=3000, checkpoint_pause_s=20.0)
