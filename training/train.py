@@ -113,12 +113,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f.add_argument("--hang-at", type=int, default=None, metavar="STEP", help="hang before the collective of STEP")
     f.add_argument("--slow-rank-delay", type=float, default=0.0, metavar="S", help="extra compute seconds per step")
     f.add_argument("--slow-data-delay", type=float, default=0.0, metavar="S", help="extra seconds per batch load")
+    f.add_argument("--late-init", type=float, default=0.0, metavar="S",
+                   help="spend S seconds in the rank's own start-up before init_process_group (data, model building)")
+    f.add_argument("--init-error", action="store_true",
+                   help="call init_process_group with a misspelt backend: it raises, the rank fails in start-up")
+    f.add_argument("--late-first-step", type=float, default=0.0, metavar="S",
+                   help="spend S seconds after init_process_group before the first collective (a checkpoint "
+                   "load, a first compile)")
     args = p.parse_args(argv)
     for name in ("steps", "batch_size", "hidden", "samples", "eval_every", "print_every"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
     if min(args.workers, args.slow_rank_delay, args.slow_data_delay, args.step_delay, args.eval_pause,
-           args.checkpoint_pause, args.checkpoint_every, args.leak_mb_per_step) < 0:
+           args.checkpoint_pause, args.checkpoint_every, args.leak_mb_per_step, args.late_init,
+           args.late_first_step) < 0:
         p.error("--workers, delays, pauses and sizes must be >= 0")
     if not 0 <= args.jitter < 1 or not 0 <= args.loss_noise < 1:
         p.error("--jitter and --loss-noise must be in [0, 1)")
@@ -312,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rankscope-train: error: {e}", file=sys.stderr)
         return 2
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    start_up = StartUpFaults(args)
+    start_up.before_init()
+    dist.init_process_group(start_up.backend(backend), timeout=datetime.timedelta(minutes=10))
+    start_up.after_init()
     torch.manual_seed(args.seed)
     if dist.get_rank() == 0:
         cfg = monitor.config
@@ -323,6 +334,28 @@ def main(argv: list[str] | None = None) -> int:
     monitor.close()
     dist.destroy_process_group()
     return 0
+
+
+class StartUpFaults:
+    """The start-up faults of this rank, known from the launcher's environment (no process group yet)."""
+
+    def __init__(self, args: argparse.Namespace):
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        fault_rank = world - 1 if args.fault_rank is None else args.fault_rank
+        self.on = args.all_ranks or rank == fault_rank
+        self.args = args
+
+    def before_init(self) -> None:
+        if self.on and self.args.late_init:
+            time.sleep(self.args.late_init)
+
+    def backend(self, backend: str) -> str:
+        # A misspelt backend in one rank's configuration: torch raises inside init_process_group.
+        return f"cpu:{backend}x" if self.on and self.args.init_error else backend
+
+    def after_init(self) -> None:
+        if self.on and self.args.late_first_step:
+            time.sleep(self.args.late_first_step)
 
 
 class Faults:

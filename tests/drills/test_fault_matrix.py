@@ -48,6 +48,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from prometheus.rules_spec import ALERTS
 from tests.helpers import netns
 from tests.helpers.jobs import TrainJob, free_port
 from tests.helpers.netns import FABRIC_DEVICE, Fabric
@@ -76,7 +77,7 @@ class Fault:
     args: tuple[str, ...]
     cause: str                           # the alert that names the cause
     ranks: tuple[str, ...] = ("1",)      # the ranks it must name
-    fault_step: int | None = FAULT_STEP  # None: the fault acts from the first step
+    fault_step: int | None = FAULT_STEP  # None: the fault acts from the first step; 0: from the launch
     act: str = ""                        # sigstop | kill_exporter | lose_node | link_down | link_flap | link_throttle:
                                          # done by the test at the fault step
     nodes: int = 1                       # 2: two torchrun agents (one rank each) as two nodes
@@ -88,16 +89,16 @@ class Fault:
     stage: str = ""                      # the pipeline stage the cause must name
     page_timeout: float = 90.0           # fault to the cause's delivery
     calm_until_fault: bool = False       # no rank may read stuck, nor be a hang suspect, before the fault
+    production: bool = False             # the production rules, scraped every 15 s (beside the others)
+    quiet_s: float = 60.0                # a fault without a cause: how long nothing may be delivered
 
     @property
     def path(self) -> str:
         return "/page" if self.cause in CRITICAL else "/chat"
 
 
-CRITICAL = {"RankscopeNonFiniteLoss", "RankscopeOutOfMemory", "RankscopeRankDown", "RankscopeHangSuspect",
-            "RankscopeRunStalled", "RankscopeRankFrozen", "RankscopeNodeLost", "RankscopeNetworkStall"}
+CRITICAL = {a.alert for a in ALERTS if a.severity == "critical"}   # paged; the others go to chat
 FLAP_S = 20.0              # link_flap: the switch port is down this long, then up again
-FABRIC_HEALTHY_S = 60.0    # a fault without a cause (the healthy fabric): how long nothing may be delivered
 TORN_DOWN = ("RankscopeRankDown", "torchrun tears the other ranks down after one fails: they are down too, in the "
              "same notification; the first rank down is the cause")
 
@@ -157,6 +158,24 @@ FAULTS = (
     # 45 s steps (large-model pre-training): never stuck between steps; a hang at step 6 pages.
     Fault("hang_long_steps", ("--step-delay", "45", "--hang-at", "6"), "RankscopeHangSuspect", fault_step=6,
           page_timeout=240.0, calm_until_fault=True),
+    # Start-up, from the launch. Rank 1 of 4 spends 90 s in its own start-up before
+    # init_process_group; the others wait for it in the rendezvous: it is named, no other rank.
+    Fault("startup_late_rank", ("--late-init", "90", "--fault-rank", "1"), "RankscopeStartupBlocked", nproc=4,
+          fault_step=0, page_timeout=120.0),
+    # A rank whose init_process_group raises (a misspelt backend): down, with the exception.
+    Fault("startup_init_error", ("--init-error",), "RankscopeRankDown", fault_step=0, page_timeout=120.0,
+          allowed=(TORN_DOWN,)),
+    # A rank stuck after init_process_group, before the first collective: its peer waits in
+    # DDP's first collectives (which rankscope's own tracking does not see: DDP is not watched
+    # yet), where the flight recorder numbers them; the stuck rank publishes the default group
+    # at 0 and is behind, named once the wait passes first_step_wait_seconds.
+    Fault("startup_stuck_before_first_collective", ("--late-first-step", "100000"), "RankscopeCollectiveBehind",
+          fault_step=0, page_timeout=150.0),
+    # A slow, healthy start-up: every rank 4 minutes in its own start-up (a data index, a model
+    # build), then 4 minutes after init_process_group before its first step (a checkpoint load, a
+    # first compile), then trains. None waits for another: nothing, at the production settings.
+    Fault("startup_slow_healthy", ("--late-init", "240", "--late-first-step", "240", "--all-ranks"), "",
+          ranks=(), fault_step=0, production=True, quiet_s=600.0),
 )
 
 
@@ -243,6 +262,8 @@ def _value(samples, name: str, rank: str) -> float | None:
 
 
 def fault_reached(fault: Fault, samples) -> bool:
+    if fault.fault_step == 0:   # a start-up fault: from the launch
+        return True
     if fault.fault_step is None:
         return (_value(samples, "rankscope_steps_total", "1") or 0) >= 1
     return ((_value(samples, "rankscope_step", "1") or -1) >= fault.fault_step - 1
@@ -301,7 +322,9 @@ def run_fault(fault: Fault, rules: list[Path], am: AlertmanagerServer, hook: Web
         with Jobs(fault, run, work / fault.name) as jobs:
             for job in jobs.jobs:
                 wait_until(lambda: job.health(), START_TIMEOUT, f"{fault.name}: the node exporter")
-            with PrometheusServer(targets=jobs.targets(), rule_files=rules, alertmanager=am.address) as prom:
+            interval = "15s" if fault.production else "1s"
+            with PrometheusServer(targets=jobs.targets(), rule_files=rules, alertmanager=am.address,
+                                  scrape_interval=interval, evaluation_interval=interval) as prom:
                 prom.wait_for_scrape(timeout=30)
                 def reached() -> bool:
                     samples = jobs.scrape()
@@ -323,7 +346,7 @@ def run_fault(fault: Fault, rules: list[Path], am: AlertmanagerServer, hook: Web
                             and (not fault.stage or any(a["labels"].get("stage") == fault.stage for a in alerts)))
 
                 if not fault.cause:   # a healthy run: nothing may come
-                    time.sleep(FABRIC_HEALTHY_S)
+                    time.sleep(fault.quiet_s)
                     out.delivered = run_deliveries(hook, run)
                     return out
                 try:
@@ -391,13 +414,15 @@ def matrix(tmp_path_factory, request) -> dict[str, Outcome | HealthyOutcome]:
     started = time.monotonic()
     only = set(filter(None, os.environ.get("RANKSCOPE_MATRIX_ONLY", "").split(",")))
     with WebhookReceiver() as hook, AlertmanagerServer(config_text=alertmanager_config(hook)) as am:
-        # The healthy run lasts as long as the faults together: beside them, not in their queue.
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as beside, \
+        # The runs at the production settings last as long as the faults together: beside them,
+        # not in their queue.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as beside, \
                 concurrent.futures.ThreadPoolExecutor(max_workers=PARALLEL) as pool:
             futures = {"healthy": beside.submit(run_healthy, production_rules, am, hook, work, HEALTHY_SECONDS,
                                                 PRODUCTION_NOISE, "15s")} if not only or "healthy" in only else {}
-            futures.update({f.name: pool.submit(run_fault, f, rules, am, hook, work) for f in FAULTS
-                            if not only or f.name in only})
+            futures.update({f.name: (beside if f.production else pool).submit(
+                run_fault, f, production_rules if f.production else rules, am, hook, work)
+                for f in FAULTS if not only or f.name in only})
             outcomes = {name: future.result() for name, future in futures.items()}
     table = render_table(outcomes)
     scorecard, share = render_scorecard(outcomes)
@@ -444,9 +469,9 @@ WATCHDOG_S = 600.0         # torch's default NCCL watchdog timeout: the job is t
 # The longest time to page of each cause alert at the production settings: the upper bounds of
 # docs/alerting.md's time-to-page table (each row checked by the promtool test it names).
 PRODUCTION_PAGE_S = {
-    "RankscopeNonFiniteLoss": 35, "RankscopeOutOfMemory": 35, "RankscopeRankDown": 80, "RankscopeNodeLost": 95,
-    "RankscopeHangSuspect": 155, "RankscopeCollectiveBehind": 155, "RankscopeRankFrozen": 120,
-    "RankscopeNetworkStall": 155, "RankscopeNetworkDegraded": 460, "RankscopeStraggler": 760,
+    "RankscopeNonFiniteLoss": 35, "RankscopeOutOfMemory": 35, "RankscopeRankDown": 60, "RankscopeNodeLost": 95,
+    "RankscopeHangSuspect": 55, "RankscopeCollectiveBehind": 55, "RankscopeRankFrozen": 50,
+    "RankscopeNetworkStall": 55, "RankscopeNetworkDegraded": 460, "RankscopeStraggler": 760,
     "RankscopeLossSpikes": 55, "RankscopeInputBound": 1060, "RankscopeRunStalled": 275,
 }
 
@@ -507,7 +532,8 @@ def render_table(outcomes: dict[str, Outcome | HealthyOutcome]) -> str:
             continue
         delivered = ", ".join(f"{name} rank {rank or '-'} → {path}" for path, name, rank in o.delivered) or "nothing"
         if not f.cause:
-            lines.append(f"| {f.name} ({FABRIC_HEALTHY_S:.0f} s) | none | – | {'**error**' if o.error else delivered} |")
+            settings = ", production settings" if f.production else ""
+            lines.append(f"| {f.name} ({f.quiet_s:.0f} s{settings}) | none | – | {'**error**' if o.error else delivered} |")
             continue
         seconds = f"{o.time_to_page_s:.1f} s" if o.time_to_page_s is not None else "**not delivered**"
         named = f" (rank {', '.join(f.ranks)})" if f.ranks else f" (node {f.node})" if f.node else \
@@ -567,6 +593,19 @@ def test_a_raised_exception_is_named_and_no_torn_down_rank_reads_finished(matrix
     alerts = [a for a in o.cause_alerts(fault) if a["labels"].get("rank") == "1"]
     assert alerts and "it raised ValueError" in alerts[0]["annotations"]["description"], _describe(o)
     assert o.final_states and "finished" not in o.final_states.values(), o.final_states
+
+
+def test_a_rank_late_to_start_up_is_named_alone(matrix):
+    fault, o = _ran(matrix, "startup_late_rank")
+    named = {a["labels"].get("rank") for a in o.cause_alerts(fault)}
+    assert named == {"1"}, _describe(o)
+    assert "3 rank(s) of the run wait for it" in o.cause_alerts(fault)[0]["annotations"]["description"]
+
+
+def test_a_rank_failing_in_init_process_group_is_down_with_its_exception(matrix):
+    fault, o = _ran(matrix, "startup_init_error")
+    alerts = [a for a in o.cause_alerts(fault) if a["labels"].get("rank") == "1"]
+    assert alerts and "it raised" in alerts[0]["annotations"]["description"], _describe(o)
 
 
 def test_long_steps_never_read_stuck_before_the_hang(matrix):

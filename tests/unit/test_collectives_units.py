@@ -143,7 +143,8 @@ def make():
     source = Source(cpu=rec)
     sink, drops, errors = Sink(), [], []
     reader = ProcessGroupReader(sink, lambda what, reason="", n=1: drops.append((what, n)), lambda: errors.append(1),
-                                source, 2, 60.0, entries_every_s=0.0, initialized=lambda: True)
+                                source, 2, 60.0, entries_every_s=0.0, initialized=lambda: True,
+                                default_recorder=lambda: "cpu")
     reader._ring = 0   # no pacing: every poll reads the entries
     return rec, reader, sink, drops, errors
 
@@ -163,6 +164,27 @@ def test_reads_each_entry_once_across_polls():
     assert sink.children[("enqueued", "default", "0")].value == 5
     assert sink.children[("completed", "default", "0")].value == 5
     assert reader.entries_read == 5 and drops == [] and errors == []
+
+
+def test_a_rank_before_its_first_collective_publishes_the_default_group_at_zero():
+    """A rank stuck before its first collective (its recorder knows no group yet) is 1 behind a
+    peer that issued one: the default group is published at 0 until the status names it, only
+    on the default group's recorder, and only once the process group exists."""
+    rec, reader, sink, drops, errors = make()
+    reader.poll()
+    assert sink.children[("enqueued", "default", "0")].value == 0
+    assert sink.children[("completed", "default", "0")].value == 0
+    rec.collective()
+    reader.poll()
+    assert sink.children[("enqueued", "default", "0")].value == 1 and errors == []
+    other = ProcessGroupReader(Sink(), lambda *a, **k: None, lambda: None, Source(cpu=FakeRecorder()), 8, 60.0,
+                               initialized=lambda: True, default_recorder=lambda: "nccl")
+    other.poll()
+    assert other.groups == {}   # a NCCL job's CPU recorder: not its default group's numbers
+    before_init = ProcessGroupReader(Sink(), lambda *a, **k: None, lambda: None, Source(cpu=FakeRecorder()), 8,
+                                     60.0, initialized=lambda: False, default_recorder=lambda: "cpu")
+    before_init.poll()
+    assert before_init.groups == {}
 
 
 def test_entries_overwritten_in_the_ring_are_counted_as_dropped():

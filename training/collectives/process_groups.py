@@ -353,6 +353,9 @@ class Cursor:
     status: dict = field(default_factory=dict)          # pg_id -> the last status read
 
 
+DEFAULT_PG_ID = "0"   # the default (world) group, in torch's recorders and as its name
+
+
 class ProcessGroupReader:
     """Reads the flight recorders and writes the per-process-group series (see the module docstring).
 
@@ -363,7 +366,8 @@ class ProcessGroupReader:
     def __init__(self, metrics: Any, drop: Callable[..., None], error: Callable[[], None], source: Any,
                  max_groups: int, interval_s: float, entries_every_s: float = ENTRIES_EVERY_S,
                  initialized: Callable[[], bool] | None = None,
-                 on_in_flight: Callable[[float], None] | None = None, timing: bool = False, ring: int = RING_DEFAULT):
+                 on_in_flight: Callable[[float], None] | None = None, timing: bool = False, ring: int = RING_DEFAULT,
+                 default_recorder: Callable[[], str] | None = None):
         self._m = metrics
         self._drop = drop
         self._error = error
@@ -372,6 +376,7 @@ class ProcessGroupReader:
         self._interval_s = interval_s
         self._entries_every_s = entries_every_s
         self._initialized = initialized or _dist_initialized
+        self._default_recorder = default_recorder or _default_group_recorder
         self._on_in_flight = on_in_flight   # called with the oldest enqueue time in flight (flight-recorder dump)
         self._timing = timing               # turn on each process group's collective timing (NCCL durations)
         self._timed_groups: set[str] = set()
@@ -443,6 +448,7 @@ class ProcessGroupReader:
                       for pg_id in status)
         holds_gil = getattr(self._source, "holds_gil", _never)(cursor.recorder)
         if not status and not final:
+            self._before_first_collective(cursor)
             return False   # no group yet (or a recorder that cannot be read yet): nothing in its ring
         if final or stuck or self._read_due(cursor, now, enqueued - cursor.enqueued_at_read, unknown, holds_gil):
             cursor.last_entries, cursor.enqueued_at_read = now, enqueued
@@ -452,6 +458,23 @@ class ProcessGroupReader:
                 self._error()
             cursor.read_s = time.monotonic() - now
         return bool(status)
+
+    def _before_first_collective(self, cursor: Cursor) -> None:
+        """Before its first collective a rank's recorder knows no group, and a rank stuck there (a
+        first compile, a checkpoint load, its own start-up code) would have no sequence number to
+        be behind its waiting peers by. The default group, which every rank is in, is published
+        at 0 (none enqueued: the status counts from 1) until the status names it; only on the
+        recorder of the default group's backend, so as never to stand beside its real numbers."""
+        if (cursor.recorder, DEFAULT_PG_ID) in self.groups or not self._initialized():
+            return
+        try:
+            if self._default_recorder() != cursor.recorder:
+                return
+        except Exception:   # no default group after all (destroyed meanwhile)
+            return
+        group = self._group(cursor, DEFAULT_PG_ID, (DEFAULT_PG_ID, "default_pg"))
+        if group is not None:
+            group.enqueued = group.completed = group.status_enqueued = 0
 
     def _read_due(self, cursor: Cursor, now: float, new_collectives: int, unknown_group: bool = False,
                   holds_gil: bool = False) -> bool:
@@ -737,6 +760,14 @@ def _dist_initialized() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+def _default_group_recorder() -> str:
+    """The recorder that numbers the default group's collectives: NCCL's where its backend has
+    NCCL (a "cuda:nccl,cpu:gloo" group too), else the CPU one (gloo)."""
+    import torch.distributed as dist
+
+    return "nccl" if "nccl" in str(dist.get_backend()).lower() else "cpu"
 
 
 
