@@ -282,14 +282,19 @@ class Monitor:
         # Written here, not by the publisher: a save that holds the GIL from its first
         # instruction (a large pickle) would keep the publisher from saying so until it ends.
         # One mmap write each way, at the block's edges only.
-        block_gauge = self.metrics.block_started[category]
-        block_gauge.set(time.time())
+        self._mark_block(category, time.time())
         try:
             yield
         finally:
-            block_gauge.set(0.0)
+            self._mark_block(category, 0.0)
             timer.block_started = 0.0
             self.handoff.interval_ended(category, t0, time.perf_counter())
+
+    def _mark_block(self, category: str, started: float) -> None:
+        try:
+            self.metrics.block_started[category].set(started)
+        except Exception:   # a closed monitor's files: counted, never raised into the job
+            self.errors.error("publisher")
 
     @contextmanager
     def collective(self, op: str, *tensors: Any, nbytes: int | None = None) -> Iterator[None]:

@@ -519,3 +519,19 @@ def test_startup_phases_from_launch_through_rendezvous_to_training(tmp_path, mon
     finally:
         m.close()
     assert dist.init_process_group is original
+
+
+def test_a_checkpoint_block_is_known_while_it_runs_and_cleared_after(monitor):
+    """The block's start is in the rank's files while it runs (the exporter reads the rank as busy,
+    its peers in a barrier as waiting for it), 0 once it ends, also when the save raises."""
+    block = ("rankscope_block_started_timestamp_seconds", "checkpoint_save")
+    before = time.time()
+    with monitor.checkpoint("save"):
+        inside = published(monitor)
+        assert before <= inside[block] <= time.time()
+        assert inside.get(("rankscope_block_started_timestamp_seconds", "evaluation"), 0.0) == 0.0
+    assert published(monitor)[block] == 0.0
+    with pytest.raises(OSError):
+        with monitor.evaluation():
+            raise OSError("disk full")
+    assert published(monitor)[("rankscope_block_started_timestamp_seconds", "evaluation")] == 0.0
