@@ -151,6 +151,11 @@ BLOCK = ("count by (run) (\n"
          "  and on (run, rank) (rankscope_rank_up{SEL} == 1)\n"
          ")")
 NOT_IN_BLOCK = "unless on (run) " + BLOCK_RECORD
+# What RankDown adds for a rank that failed before its first step: the start-up phase it was in.
+IN_START_UP = ("{{ with printf `rankscope_startup_phase{SEL,run=\"%s\",rank=\"%s\",phase!=\"training\"} == 1` "
+               "$labels.run $labels.rank | query }}{{ range . }} It failed in its start-up, in phase "
+               "{{ .Labels.phase }}{{ if eq .Labels.phase \"rendezvous\" }} (inside init_process_group){{ end }}"
+               ".{{ end }}{{ end }}")
 # What a hang or stall page adds when the rank is in a block past the bar: the block itself hangs.
 BLOCK_OVERDUE = ("{{ with printf `rankscope_block_started_timestamp_seconds{SEL,run=\"%s\",rank=\"%s\"} > 0` "
                  "$labels.run $labels.rank | query }}{{ range . }} It has been in its {{ .Labels.block }} block "
@@ -758,7 +763,7 @@ ALERTS: tuple[Alert, ...] = (
           "{{ with printf `rankscope_rank_failure_info{SEL,run=\"%s\",rank=\"%s\"}` $labels.run $labels.rank "
           "| query }}{{ range . }}: it raised {{ .Labels.exception }}{{ end }}{{ else }}: it was killed or exited "
           "without closing its monitor{{ end }}. Its peers will block in their next collective." + FIRST_FAILURE
-          + EVIDENCE),
+          + IN_START_UP + EVIDENCE),
     Alert("RankscopeNodeLost",
           NODE_LOST,
           "critical",

@@ -627,7 +627,9 @@ def test_a_rank_late_to_start_up_is_named_alone(matrix):
 def test_a_rank_failing_in_init_process_group_is_down_with_its_exception(matrix):
     fault, o = _ran(matrix, "startup_init_error")
     alerts = [a for a in o.cause_alerts(fault) if a["labels"].get("rank") == "1"]
-    assert alerts and "it raised" in alerts[0]["annotations"]["description"], _describe(o)
+    description = alerts[0]["annotations"]["description"] if alerts else ""
+    assert "it raised" in description and "It failed in its start-up, in phase rendezvous" in description, \
+        _describe(o)
 
 
 def test_long_steps_never_read_stuck_before_the_hang(matrix):
