@@ -84,10 +84,11 @@ def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> Non
         else:
             v.state = "progressing"
     if any(v.state == "busy" for v in views):
-        # Its peers wait for it in a collective (a barrier after rank 0's save): not stuck, and
-        # nobody is a suspect. A block past the rules' bar (block_stall_seconds) is paged there.
+        # Its peers wait for it (in a barrier after rank 0's save, which rankscope may not count
+        # as a collective): not stuck, and nobody is a suspect. A block past the rules' bar
+        # (block_stall_seconds) is paged there.
         for v in views:
-            if v.state == "stuck_in_collective":
+            if v.state in ("stuck_in_collective", "stuck"):
                 v.state = "progressing" if v.last_step else "starting"
         return
     waits = [now - min(v.in_flight.values()) for v in views if v.alive and v.in_flight]

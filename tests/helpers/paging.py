@@ -78,13 +78,14 @@ class Noise:
     # Rank 0 saves inside monitor.checkpoint() while the other ranks wait for it in a barrier,
     # outside any block: what a hang looks like, but for the block.
     save_on_rank0_only: bool = True
+    job: tuple[str, ...] = ()        # the trainer's own arguments (its data, its learning rate)
 
     def args(self) -> list[str]:
         return ["--jitter", str(self.jitter), "--loss-noise", str(self.loss_noise),
                 "--eval-every", str(self.eval_every), "--eval-pause", str(self.eval_pause_s),
                 "--checkpoint-every", str(self.checkpoint_every),
                 "--checkpoint-pause", str(self.checkpoint_pause_s),
-                *(["--save-on-rank0-only"] if self.save_on_rank0_only else [])]
+                *(["--save-on-rank0-only"] if self.save_on_rank0_only else []), *self.job]
 
 
 # The 2-minute run at the fast thresholds: pauses scaled to the fast rules' windows.
@@ -94,8 +95,13 @@ FAST_NOISE = Noise(checkpoint_pause_s=8.0)   # past the fast hang bars (3 s + 2 
 PRODUCTION_NOISE = Noise(eval_every=2400, eval_pause_s=10.0, checkpoint_every=3000, checkpoint_pause_s=20.0)
 # The 30-minute soak at the production thresholds (bash tests/run.sh --soak): a 2-minute
 # checkpoint (rank 0 saves, the other rank waits in a barrier: far past every hang bar) and a
-# 3-minute evaluation (past RunStalled's 180 s), each more than once, a restart between.
-SOAK_NOISE = Noise(eval_every=12000, eval_pause_s=180.0, checkpoint_every=8000, checkpoint_pause_s=120.0)
+# 3-minute evaluation (past RunStalled's 180 s), each more than once, a restart between. A job
+# that learns for 30 minutes: on the default 32k samples at lr 0.05 the reference model memorises,
+# then its training loss climbs back (0.18 to 0.99 over 32k steps, eval accuracy at chance) with
+# z > 6 jumps that LossSpikes rightly warns of; on 262k samples at lr 0.01 it learns (eval
+# accuracy 0.54 to 0.80) with no spike in 32k steps.
+SOAK_NOISE = Noise(eval_every=12000, eval_pause_s=180.0, checkpoint_every=8000, checkpoint_pause_s=120.0,
+                   job=("--samples", "262144", "--lr", "0.01"))
 
 
 @dataclass

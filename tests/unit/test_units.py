@@ -297,6 +297,12 @@ def test_a_rank_in_its_own_checkpoint_is_busy_and_its_waiting_peers_are_not_stuc
         return [(v.state, v.suspect) for v in (saving, waiting)]
 
     assert picture(now - 120, 60) == [("busy", False), ("progressing", False)]
+    # ... also where its barrier is not counted as a collective (outside any, as far as rankscope knows)
+    saving = _view(0, heartbeat=now, last_step=now - 121)
+    saving.block_since = now - 120
+    waiting = _view(1, heartbeat=now, last_step=now - 121)
+    derive_states([saving, waiting], cfg, now)
+    assert [(v.state, v.suspect) for v in (saving, waiting)] == [("busy", False), ("progressing", False)]
     assert picture(now - 120, 400) == [("frozen", True), ("stuck_in_collective", False)]
     assert picture(0.0, 0.5) == [("stuck", True), ("stuck_in_collective", False)]
 
