@@ -85,6 +85,7 @@ class Fault:
     act: str = ""                        # sigstop | kill_exporter | lose_node | link_down | link_flap | link_throttle:
                                          # done by the test at the fault step
     nodes: int = 1                       # 2: two torchrun agents (one rank each) as two nodes
+    node_missing: bool = False           # node 0 of two, its ranks started one by one (srun-style); node 1 never
     fabric: bool = False                 # two nodes of two ranks in network namespaces (tests/helpers/netns.py)
     node: str = ""                       # the node the cause must name (a network fault names no rank)
     allowed: tuple[tuple[str, str], ...] = ()   # (alertname, why) also delivered, by design
@@ -103,6 +104,7 @@ class Fault:
 
 CRITICAL = {a.alert for a in ALERTS if a.severity == "critical"}   # paged; the others go to chat
 FLAP_S = 20.0              # link_flap: the switch port is down this long, then up again
+EXPORTER_STOP_S = 25.0     # stop_exporter: the exporter is stopped this long, then continued
 TORN_DOWN = ("RankscopeRankDown", "torchrun tears the other ranks down after one fails: they are down too, in the "
              "same notification; the first rank down is the cause")
 
@@ -132,6 +134,9 @@ FAULTS = (
           allowed=(("RankscopeStraggler", "zero-filling 10 MB a step, and the page faults under the cgroup's "
                     "pressure, really make the leaking rank slower than its peers"),)),
     Fault("exporter_down", (), "RankscopeTargetDown", ranks=(), act="kill_exporter"),
+    # The exporter stopped (SIGSTOP) mid-run, continued 25 s later: the job trains on (its ranks
+    # write their files whether or not an exporter answers); its target is down meanwhile.
+    Fault("exporter_stopped", (), "RankscopeTargetDown", ranks=(), act="stop_exporter"),
     Fault("node_lost", (), "RankscopeNodeLost", act="lose_node", nodes=2),
     # The network between two nodes (2 ranks each, in network namespaces joined by a switch).
     # A pulled cable: every rank blocks inside all_reduce; no rank may be named.
@@ -166,6 +171,11 @@ FAULTS = (
     # init_process_group; the others wait for it in the rendezvous: it is named, no other rank.
     Fault("startup_late_rank", ("--late-init", "90", "--fault-rank", "1"), "RankscopeStartupBlocked", nproc=4,
           fault_step=0, page_timeout=120.0),
+    # Node 1 of two never started (its launcher not run, the node unreachable): node 0's ranks,
+    # started one by one as srun does, wait for ranks 2 and 3 in the rendezvous. The run's
+    # missing ranks are counted, naming the node that reported; no rank is blamed.
+    Fault("startup_node_never_started", (), "RankscopeStartupRanksMissing", ranks=(), fault_step=0,
+          node_missing=True, page_timeout=120.0),
     # A rank whose init_process_group raises (a misspelt backend): down, with the exception.
     Fault("startup_init_error", ("--init-error",), "RankscopeRankDown", fault_step=0, page_timeout=120.0,
           allowed=(TORN_DOWN,)),
@@ -200,6 +210,7 @@ class Outcome:
     error: str | None = None
     skipped: str | None = None
     final_states: dict[str, str] = field(default_factory=dict)   # rank -> state, from the exporters at the end
+    final_steps: dict[str, float] = field(default_factory=dict)  # rank -> steps counted, from the exporters at the end
     prometheus_firing: list[dict] = field(default_factory=list)
     before_fault: list[dict[str, str]] = field(default_factory=list)   # calm_until_fault: rank -> state, each poll
 
@@ -224,6 +235,9 @@ class Jobs:
                                   env={"RANKSCOPE_NODE": f"node-{'ab'[i]}", "GLOO_SOCKET_IFNAME": FABRIC_DEVICE,
                                        "RANKSCOPE_METRICS_ADDR": "0.0.0.0", "OMP_NUM_THREADS": "1"})
                          for i in range(2)]
+        elif fault.node_missing:
+            self.jobs = [TrainJob(nproc=fault.nproc, steps=STEPS, run_id=run, extra_args=extra, metrics_dir=work / "m0",
+                                  one_by_one=(2 * fault.nproc, 0, free_port()))]
         elif fault.nodes == 1:
             self.jobs = [TrainJob(nproc=fault.nproc, steps=STEPS, run_id=run, extra_args=extra, metrics_dir=work / "m0",
                                   wrap=cgroup_wrapper(self.cgroup) if self.cgroup else None)]
@@ -294,6 +308,10 @@ def act(fault: Fault, jobs: Jobs) -> None:
         os.kill(job.rank_pids()[1], signal.SIGSTOP)
     elif fault.act == "kill_exporter":
         os.kill(job.health()["pid"], signal.SIGKILL)
+    elif fault.act == "stop_exporter":   # a hung exporter (SIGSTOP), continued after EXPORTER_STOP_S
+        exporter = job.health()["pid"]
+        os.kill(exporter, signal.SIGSTOP)
+        threading.Timer(EXPORTER_STOP_S, os.kill, (exporter, signal.SIGCONT)).start()
     elif fault.act == "lose_node":
         exporter = job.health()["pid"]
         job.stop()                      # node B's agent and rank, SIGKILLed
@@ -366,8 +384,10 @@ def run_fault(fault: Fault, rules: list[Path], am: AlertmanagerServer, hook: Web
                     time.sleep(OBSERVE_AFTER_S)
                 finally:
                     out.delivered = run_deliveries(hook, run)
-                    out.final_states = {x.labels["rank"]: x.labels["state"] for x in jobs.scrape()
+                    samples = jobs.scrape()
+                    out.final_states = {x.labels["rank"]: x.labels["state"] for x in samples
                                         if x.name == "rankscope_rank_state" and x.value == 1}
+                    out.final_steps = {x.labels["rank"]: x.value for x in samples if x.name == "rankscope_steps_total"}
     except Exception:  # noqa: BLE001 - reported by the fault's own test
         out.error = traceback.format_exc()
     return out
@@ -622,6 +642,21 @@ def test_a_rank_late_to_start_up_is_named_alone(matrix):
     named = {a["labels"].get("rank") for a in o.cause_alerts(fault)}
     assert named == {"1"}, _describe(o)
     assert "3 rank(s) of the run wait for it" in o.cause_alerts(fault)[0]["annotations"]["description"]
+
+
+def test_a_stopped_exporter_neither_stops_the_job_nor_loses_its_steps(matrix):
+    """After the exporter is continued, every rank reads progressing and its step counter covers
+    the steps made while nothing answered (the ranks wrote their files throughout)."""
+    fault, o = _ran(matrix, "exporter_stopped")
+    assert o.final_states and set(o.final_states.values()) == {"progressing"}, (o.final_states, _describe(o))
+    assert o.final_steps and min(o.final_steps.values()) > FAULT_STEP + 20 * EXPORTER_STOP_S * 0.5, o.final_steps
+
+
+def test_ranks_that_never_started_are_counted_with_the_node_that_reported(matrix):
+    fault, o = _ran(matrix, "startup_node_never_started")
+    (alert,) = o.cause_alerts(fault)
+    assert alert["annotations"]["summary"].endswith("2 of its ranks never reported"), _describe(o)
+    assert "2 of its 4 ranks" in alert["annotations"]["description"], alert
 
 
 def test_a_rank_failing_in_init_process_group_is_down_with_its_exception(matrix):

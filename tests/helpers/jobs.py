@@ -84,14 +84,21 @@ class TrainJob:
     def __init__(self, nproc: int = 2, steps: int = 300, extra_args: Iterable[str] = (),
                  env: dict[str, str] | None = None, port: int | None = None, metrics_dir: Path | None = None,
                  run_id: str | None = None, nodes: tuple[int, int, int] | None = None,
-                 wrap: list[str] | None = None, host: str = "127.0.0.1", master_addr: str = "127.0.0.1"):
+                 wrap: list[str] | None = None, host: str = "127.0.0.1", master_addr: str = "127.0.0.1",
+                 one_by_one: tuple[int, int, int] | None = None):
         """``nodes``: (node count, this node's rank, rendezvous port) to act as one node of a
         multi-node job (static rendezvous at ``master_addr``, where node 0 hosts the store).
+        ``one_by_one``: (world size, this node's rank, store port): no torchrun; this node's
+        ``nproc`` ranks are started one by one, each with its launcher's environment, as srun,
+        mpirun or a pod per rank do (torchrun's agents wait for each other's nodes first, and
+        start no rank while one is missing).
         ``wrap``: a command prefix that execs the rest (e.g. one that joins a cgroup or a network
         namespace first). ``host``: where this process reaches the job's exporter."""
         self.host = host
         self.master_addr = master_addr
         self.nodes = nodes
+        self.one_by_one = one_by_one
+        self.others: list[subprocess.Popen] = []   # one_by_one: the ranks after the first
         self.wrap = list(wrap or [])
         self.nproc = nproc
         self.steps = steps
@@ -116,7 +123,11 @@ class TrainJob:
             launch = ["--nnodes", str(count), "--node-rank", str(node_rank), "--master-addr", self.master_addr,
                       "--master-port", str(rdzv_port), "--rdzv-id", self.run_id]
         return [*self.wrap, sys.executable, "-m", "torch.distributed.run", *launch, "--nproc-per-node", str(self.nproc),
-                "-m", "rankscope.train", "--steps", str(self.steps), "--metrics-port", str(self.port),
+                *self.train_args]
+
+    @property
+    def train_args(self) -> list[str]:
+        return ["-m", "rankscope.train", "--steps", str(self.steps), "--metrics-port", str(self.port),
                 "--run-id", self.run_id, *self.extra_args]
 
     def __enter__(self) -> "TrainJob":
@@ -126,6 +137,18 @@ class TrainJob:
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         self._log = open(self.log_path, "wb")
         self.started = time.monotonic()
+        if self.one_by_one is not None:
+            world, node_rank, store_port = self.one_by_one
+            command = [*self.wrap, sys.executable, *self.train_args]
+            procs = [subprocess.Popen(command, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                      start_new_session=True,
+                                      env={**env, "RANK": str(node_rank * self.nproc + local), "LOCAL_RANK": str(local),
+                                           "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(self.nproc),
+                                           "GROUP_RANK": str(node_rank), "MASTER_ADDR": self.master_addr,
+                                           "MASTER_PORT": str(store_port)})
+                     for local in range(self.nproc)]
+            self.proc, self.others = procs[0], procs[1:]
+            return self
         self.proc = subprocess.Popen(self.command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         return self
@@ -146,12 +169,13 @@ class TrainJob:
 
     def stop(self) -> None:
         """Kill torchrun and its ranks (not the exporter, which lives in its own session)."""
-        if self.proc and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=10)
+        for proc in [self.proc, *self.others]:
+            if proc and proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
         self._reap_ranks()
 
     def _reap_ranks(self) -> None:
