@@ -49,6 +49,13 @@ class RankView:
     suspect: bool = False
     step_time: float = 0.0   # the longest of the rank's recent steps (RecentStepTimes)
     block_since: float = 0.0   # when it entered the checkpoint or evaluation block it is in (0: none)
+    block_ended: float = 0.0   # when its last such block ended
+
+    @property
+    def progress_at(self) -> float:
+        """Its last sign of progress: a step, or the end of a declared block (a 3-minute evaluation
+        is progress, and the moment after it no stall), else its start."""
+        return max(self.last_step, self.block_ended) or self.reg.started_at
 
     def stuck_after(self, cfg: ExporterConfig) -> float:
         """How long without a step is stuck for this rank: the configured floor, or a few of
@@ -63,8 +70,11 @@ BLOCK_FROZEN_AFTER_S = 300.0
 
 def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> None:
     """Fill in ``state`` and ``suspect`` for the ranks of one run on this node."""
+    # A block's end is progress for its peers too: they waited for it (in a barrier after rank
+    # 0's save), and their files say so for up to a publish interval after it ended.
+    blocks_ended = max((v.block_ended for v in views), default=0.0)
     for v in views:
-        stalled = now - (v.last_step or v.reg.started_at)
+        stalled = now - max(v.progress_at, blocks_ended)
         frozen_after = max(cfg.frozen_after_s, BLOCK_FROZEN_AFTER_S) if v.block_since else cfg.frozen_after_s
         if v.reg.finished_at:
             v.state = "finished"
@@ -96,7 +106,7 @@ def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> Non
     if longest_wait <= cfg.suspect_after_s:
         return
     for v in views:
-        stalled = now - (v.last_step or v.reg.started_at)
+        stalled = now - max(v.progress_at, blocks_ended)
         if v.state in ("dead", "finished"):
             continue
         outside = not v.in_flight or v.state == "frozen"
@@ -219,6 +229,7 @@ class RankCollector:
             v.last_step = index.get(("rankscope_last_step_timestamp_seconds",) + key, 0.0)
             v.block_since = max((index.get(("rankscope_block_started_timestamp_seconds",) + key + (block,), 0.0)
                                  for block in BLOCKS), default=0.0)
+            v.block_ended = index.get(("rankscope_block_ended_timestamp_seconds",) + key, 0.0)
             v.step_time = self.step_times.longest(
                 run_dir, reg, v.last_step, index.get(("rankscope_step_last_duration_seconds",) + key, 0.0))
             for op in COLLECTIVE_OPS:
@@ -276,6 +287,7 @@ def _index(merged: Iterable[Metric]) -> dict[tuple, float]:
     """(metric name, run, rank[, op]) -> value, for the series the states are derived from."""
     wanted = {"rankscope_heartbeat_timestamp_seconds", "rankscope_last_step_timestamp_seconds",
               "rankscope_step_last_duration_seconds", "rankscope_block_started_timestamp_seconds",
+              "rankscope_block_ended_timestamp_seconds",
               "rankscope_collective_in_flight", "rankscope_collective_started_timestamp_seconds"}
     out: dict[tuple, float] = {}
     for metric in merged:
@@ -321,7 +333,7 @@ def _add_view(families: dict[str, GaugeMetricFamily], v: RankView, now: float) -
             families["rankscope_rank_failed_timestamp_seconds"].add_metric(ident + [v.reg.exception], v.reg.failed_at)
     if v.state in ("dead", "finished"):
         return
-    families["rankscope_step_stalled_seconds"].add_metric(ident, max(now - (v.last_step or v.reg.started_at), 0.0))
+    families["rankscope_step_stalled_seconds"].add_metric(ident, max(now - v.progress_at, 0.0))
     if v.heartbeat:
         families["rankscope_heartbeat_age_seconds"].add_metric(ident, max(now - v.heartbeat, 0.0))
     for op in v.ops:

@@ -286,12 +286,14 @@ class Monitor:
         try:
             yield
         finally:
-            self._mark_block(category, 0.0)
+            self._mark_block(category, 0.0, ended=time.time())
             timer.block_started = 0.0
             self.handoff.interval_ended(category, t0, time.perf_counter())
 
-    def _mark_block(self, category: str, started: float) -> None:
+    def _mark_block(self, category: str, started: float, ended: float = 0.0) -> None:
         try:
+            if ended:   # first: the block's end is progress before the block is gone from the files
+                self.metrics.block_ended.set(ended)
             self.metrics.block_started[category].set(started)
         except Exception:   # a closed monitor's files: counted, never raised into the job
             self.errors.error("publisher")

@@ -10,6 +10,7 @@ Used by the fault matrix (tests/drills/test_fault_matrix.py: every fault, and th
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 import time
 import traceback
@@ -127,6 +128,15 @@ class HealthyOutcome:
         return len(self.final_steps) == 2 and min(self.final_steps.values()) > self.resumed_from_step
 
 
+def _what_triggered(capture: Path) -> str:
+    """A capture's trigger, state and time, for the failure message (the files go with the run)."""
+    try:
+        doc = json.loads(capture.read_text())
+        return f"trigger {doc.get('trigger')}, state {doc.get('state')}, at {doc.get('captured_at')}"
+    except (OSError, ValueError):
+        return "unreadable"
+
+
 def run_healthy(rules: list[Path], am: AlertmanagerServer, hook: WebhookReceiver, work: Path,
                 seconds: float, noise: Noise = FAST_NOISE, scrape_interval: str = "1s") -> HealthyOutcome:
     """A noisy healthy run, stopped cleanly at a checkpoint and restarted from it as a
@@ -157,6 +167,7 @@ def run_healthy(rules: list[Path], am: AlertmanagerServer, hook: WebhookReceiver
     except Exception:  # noqa: BLE001 - reported by the test
         out.error = traceback.format_exc()
     finally:
-        out.evidence = sorted(str(p.relative_to(metrics)) for p in metrics.glob("*/evidence/rank-*.json"))
+        out.evidence = sorted(f"{p.relative_to(metrics)} ({_what_triggered(p)})"
+                              for p in metrics.glob("*/evidence/rank-*.json"))
         shutil.rmtree(work / run, ignore_errors=True)
     return out

@@ -304,6 +304,15 @@ def test_a_rank_in_its_own_checkpoint_is_busy_and_its_waiting_peers_are_not_stuc
     derive_states([saving, waiting], cfg, now)
     assert [(v.state, v.suspect) for v in (saving, waiting)] == [("busy", False), ("progressing", False)]
     assert picture(now - 120, 400) == [("frozen", True), ("stuck_in_collective", False)]
+    # The moment after the save: its block gone from rank 0's files, the peer's 2-minute wait not yet
+    # (its publisher writes every half second). The block's end is progress, for the rank that
+    # waited for it too: no stall, no suspect, nothing for the evidence keeper to capture.
+    saved = _view(0, heartbeat=now, last_step=now - 121)
+    saved.block_ended = now - 0.3
+    still_waiting = _view(1, heartbeat=now, last_step=now - 121, in_flight={"barrier": now - 120})
+    derive_states([saved, still_waiting], cfg, now)
+    assert [(v.state, v.suspect) for v in (saved, still_waiting)] == [("progressing", False),
+                                                                      ("progressing", False)]
     assert picture(0.0, 0.5) == [("stuck", True), ("stuck_in_collective", False)]
 
 

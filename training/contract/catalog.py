@@ -189,6 +189,9 @@ RANK_METRICS: tuple[MetricSpec, ...] = (
        "Unix time at which the rank entered the checkpoint or evaluation block it is in (monitor.checkpoint(), "
        "monitor.evaluation()), 0 for the others: a rank busy with its own declared work, whose peers may wait "
        "for it in a collective meanwhile.", ("block",), mode="livemostrecent"),
+    _g("rankscope_block_ended_timestamp_seconds",
+       "Unix time at which the rank's last checkpoint or evaluation block ended: progress, as a step is (the "
+       "exporter's stall clock starts from the later of the two)."),
     _g("rankscope_heartbeat_timestamp_seconds",
        "Unix time of the rank's last heartbeat (a background thread beats while the interpreter runs).",
        mode="livemostrecent"),

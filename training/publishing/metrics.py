@@ -100,6 +100,7 @@ class RankMetrics:
             self.startup_since = b("rankscope_startup_phase_since_timestamp_seconds")
             self.block_started = {k: m["rankscope_block_started_timestamp_seconds"].labels(*ident, k)
                                   for k in catalog.BLOCKS}
+            self.block_ended = b("rankscope_block_ended_timestamp_seconds")
             self.heartbeat = b("rankscope_heartbeat_timestamp_seconds")
             # Around a step's values (publisher.write_step_values; rankscope.exporter.reader)
             self.values_fence_end = b(catalog.VALUES_FENCE_END)
