@@ -158,6 +158,8 @@ class Monitor:
         self.process_groups = _process_group_reader(self, ring)
         self.metrics.start_ts.set(self.registration.started_at)
         self.metrics.launch_world_size.set(self.identity.world_size)
+        for gauge in (*self.metrics.block_started.values(), self.metrics.block_ended):
+            gauge.set(0.0)   # in no block, none ended: every series there from the start
         self.metrics.mem_total.set(memory.total())          # 0 until a CUDA device is known (the publisher)
         self.metrics.bind_flops(self.flops.counts_flops)   # the device's peak: once it is known
         self.metrics.mem_limit.set(memory.host_limit)

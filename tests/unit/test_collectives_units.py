@@ -6,6 +6,7 @@ The same reader against a real recorder is tested in test_collectives_process_gr
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -177,6 +178,15 @@ def test_a_rank_before_its_first_collective_publishes_the_default_group_at_zero(
     rec.collective()
     reader.poll()
     assert sink.children[("enqueued", "default", "0")].value == 1 and errors == []
+    # Named by its mesh dimension since (watch() over FSDP2 on the whole world): the placeholder's
+    # series are retired (NaN), the group's are published under its name.
+    rec2, named, sink2, _, errors2 = make()
+    named.poll()
+    named.roles = {"0": "dp_shard"}
+    rec2.collective()
+    named.poll()
+    assert math.isnan(sink2.children[("enqueued", "default", "0")].value)
+    assert sink2.children[("enqueued", "dp_shard", "0")].value == 1 and errors2 == []
     other = ProcessGroupReader(Sink(), lambda *a, **k: None, lambda: None, Source(cpu=FakeRecorder()), 8, 60.0,
                                initialized=lambda: True, default_recorder=lambda: "nccl")
     other.poll()

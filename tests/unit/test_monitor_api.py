@@ -529,7 +529,7 @@ def test_a_checkpoint_block_is_known_while_it_runs_and_cleared_after(monitor):
     with monitor.checkpoint("save"):
         inside = published(monitor)
         assert before <= inside[block] <= time.time()
-        assert inside.get(("rankscope_block_started_timestamp_seconds", "evaluation"), 0.0) == 0.0
+        assert inside[("rankscope_block_started_timestamp_seconds", "evaluation")] == 0.0
     after = published(monitor)
     assert after[block] == 0.0 and after[("rankscope_block_ended_timestamp_seconds",)] >= inside[block]
     with pytest.raises(OSError):

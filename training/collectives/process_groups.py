@@ -58,6 +58,7 @@ import contextlib
 import functools
 import http.client
 import json
+import math
 import logging
 import os
 import re
@@ -150,6 +151,7 @@ class Group:
     collective_enqueued: int = -1     # the newest collective's seq among the entries read
     collective_completed: int = -1    # the newest retired (completed) one's
     counts_p2p: bool = False
+    placeholder: bool = False         # the default group at 0, before the rank's first collective
 
 
 # The flight recorders torch has, by name: (the status call of its C++ bindings, the worker
@@ -475,6 +477,7 @@ class ProcessGroupReader:
         group = self._group(cursor, DEFAULT_PG_ID, (DEFAULT_PG_ID, "default_pg"))
         if group is not None:
             group.enqueued = group.completed = group.status_enqueued = 0
+            group.placeholder = True
 
     def _read_due(self, cursor: Cursor, now: float, new_collectives: int, unknown_group: bool = False,
                   holds_gil: bool = False) -> bool:
@@ -688,8 +691,19 @@ class ProcessGroupReader:
     def _group(self, cursor: Cursor, pg_id: str, process_group: Any) -> Group | None:
         key = (cursor.recorder, pg_id)
         group = self.groups.get(key)
-        if group is not None or key in self._refused:
+        if group is not None and not group.placeholder or key in self._refused:
             return group
+        if group is not None:   # the placeholder meets the group's first entries: the group proper
+            del self.groups[key]
+            label = self.roles.get(str(list(process_group)[0])) or group_label(*(list(process_group) + ["", ""])[:2])
+            if re.sub(r"[^a-z0-9_]", "_", label.lower())[:MAX_LABEL] == group.label:
+                group.placeholder = False
+                self.groups[key] = group
+                return group
+            # Named by its mesh dimension since (watch()): the placeholder's series are retired
+            # (NaN: no comparison holds), the group's own are bound under its name.
+            for child in group.seq_children:
+                child.set(math.nan)
         if len(self.groups) >= self._max_groups:
             self._refused.add(key)
             log.warning("rankscope: more than %d process groups on this rank; collectives of group %s are "
