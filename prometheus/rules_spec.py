@@ -799,16 +799,16 @@ ALERTS: tuple[Alert, ...] = (
           "on node {{ $labels.node }} is behind",
           "In " + WHO + ", the last collective enqueued on process group {{ $labels.group }} "
           "(id {{ $labels.group_id }}) is "
-          "{{ with printf `rankscope_process_group_last_enqueued_seq{SEL,run=\"%s\",rank=\"%s\",group_id=\"%s\"}` "
-          "$labels.run $labels.rank $labels.group_id | query }}seq {{ . | first | value }}{{ end }}, "
+          "{{ with printf `rankscope_process_group_last_enqueued_seq{SEL,run=\"%s\",rank=\"%s\",group=\"%s\",group_id=\"%s\"}` "
+          "$labels.run $labels.rank $labels.group $labels.group_id | query }}seq {{ . | first | value }}{{ end }}, "
           "{{ $value }} behind its peers, who wait in "
           # The records of its own group, current as of this evaluation (the process-group
           # summaries are recorded only once a minute).
           "{{ with printf `topk(1, max by (op) (" + LONG_WAITS_RECORD +
           "{run=\"%s\",group_id=\"%s\"}))` $labels.run $labels.group_id | query }}{{ range . }}{{ .Labels.op }} "
           "(for {{ .Value | humanizeDuration }}){{ end }}{{ else }}a collective{{ end }} up to "
-          "{{ with printf `max(rankscope_process_group_last_enqueued_seq{SEL,run=\"%s\",group_id=\"%s\"})` "
-          "$labels.run $labels.group_id | query }}seq {{ . | first | value }}{{ end }}. "
+          "{{ with printf `max(rankscope_process_group_last_enqueued_seq{SEL,run=\"%s\",group=\"%s\",group_id=\"%s\"})` "
+          "$labels.run $labels.group $labels.group_id | query }}seq {{ . | first | value }}{{ end }}. "
           "This rank has not issued that collective: it is the likely culprit." + EVIDENCE),
     Alert("RankscopeCompletionsBehind",
           COMPLETION_BEHIND_RECORD + "\n"
@@ -818,11 +818,11 @@ ALERTS: tuple[Alert, ...] = (
           "{{ $labels.rank }} on node {{ $labels.node }} stopped completing",
           "In " + WHO + ", the collectives of process group {{ $labels.group }} (id {{ $labels.group_id }}) "
           "stopped completing at "
-          "{{ with printf `rankscope_process_group_last_completed_seq{SEL,run=\"%s\",rank=\"%s\",group_id=\"%s\"}` "
-          "$labels.run $labels.rank $labels.group_id | query }}seq {{ . | first | value }}{{ end }}, {{ $value }} "
+          "{{ with printf `rankscope_process_group_last_completed_seq{SEL,run=\"%s\",rank=\"%s\",group=\"%s\",group_id=\"%s\"}` "
+          "$labels.run $labels.rank $labels.group $labels.group_id | query }}seq {{ . | first | value }}{{ end }}, {{ $value }} "
           "behind its peers, who completed up to "
-          "{{ with printf `max(rankscope_process_group_last_completed_seq{SEL,run=\"%s\",group_id=\"%s\"})` "
-          "$labels.run $labels.group_id | query }}seq {{ . | first | value }}{{ end }} and wait; it issued them as "
+          "{{ with printf `max(rankscope_process_group_last_completed_seq{SEL,run=\"%s\",group=\"%s\",group_id=\"%s\"})` "
+          "$labels.run $labels.group $labels.group_id | query }}seq {{ . | first | value }}{{ end }} and wait; it issued them as "
           "they did. Its device stopped running its kernels (an assert in a kernel, an Xid, a hung kernel): it is "
           "the likely culprit." + EVIDENCE),
     # Start-up: the ranks its peers wait for in the rendezvous, by name; those that never reported, counted.
