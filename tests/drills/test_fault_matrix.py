@@ -60,7 +60,7 @@ from tests.helpers.paging import (PRODUCTION_NOISE, START_TIMEOUT, STEP_DELAY, H
                                   render_rules, run_deliveries, run_healthy)
 from tests.helpers.promstack import AlertmanagerServer, Delivery, PrometheusServer, WebhookReceiver, firing_alerts
 
-# Not in the full run (`bash tests/run.sh`): about 16 minutes on 2 cores.
+# Not in the full run (`bash tests/run.sh`): about 15 minutes on 2 cores.
 pytestmark = [pytest.mark.matrix, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]
