@@ -695,8 +695,7 @@ class ProcessGroupReader:
             return group
         if group is not None:   # the placeholder meets the group's first entries: the group proper
             del self.groups[key]
-            label = self.roles.get(str(list(process_group)[0])) or group_label(*(list(process_group) + ["", ""])[:2])
-            if re.sub(r"[^a-z0-9_]", "_", label.lower())[:MAX_LABEL] == group.label:
+            if self._label(process_group) == group.label:
                 group.placeholder = False
                 self.groups[key] = group
                 return group
@@ -709,18 +708,22 @@ class ProcessGroupReader:
             log.warning("rankscope: more than %d process groups on this rank; collectives of group %s are "
                         "dropped (RANKSCOPE_MAX_PROCESS_GROUPS)", self._max_groups, process_group)
             return None
-        name, desc = (list(process_group) + ["", ""])[:2]
-        group_id = str(name)
+        group_id = str(list(process_group)[0])
         if cursor.recorder == "cpu" and "nccl" in self.cursors and _has_cuda_backend(group_id):
             group_id += ".cpu"   # the CPU half of a "cuda:nccl,cpu:gloo" group: its own sequence
-        label = self.roles.get(str(name)) or group_label(str(name), str(desc))
-        group = Group(pg_id, group_id, re.sub(r"[^a-z0-9_]", "_", label.lower())[:MAX_LABEL])
+        group = Group(pg_id, group_id, self._label(process_group))
         group.seq_children = self._m.process_group_seq(group.label, group.name)
         status = cursor.status.get(pg_id, {})
         group.enqueued = group.status_enqueued = int(status.get("last_enqueued_collective", -1))
         group.completed = int(status.get("last_completed_collective", -1))
         self.groups[key] = group
         return group
+
+    def _label(self, process_group: Any) -> str:
+        """The group's label: its mesh dimension where watch() learnt it, else its role."""
+        name, desc = (str(part) for part in (list(process_group) + ["", ""])[:2])
+        label = self.roles.get(name) or group_label(name, desc)
+        return re.sub(r"[^a-z0-9_]", "_", label.lower())[:MAX_LABEL]
 
     def _series(self, group: Group, op: str):
         series = group.series.get(op)
