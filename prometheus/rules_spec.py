@@ -523,6 +523,80 @@ STALL_CAUSES = ("rank_down|node_lost|hang_suspect|frozen|collective_behind|compl
 GOODPUT_CAUSES = STALL_CAUSES + "|stalled|input_bound"
 
 
+# ---- replicas (rankscope.replicas; docs/alerting.md, "Divergence between replicas") ----------
+# Each rank publishes, per replica set, a fingerprint of its replicated weights (and reduced
+# gradients) every K steps: one float holding the check's step and the fingerprint, in two
+# slots (its last two checks). Two ranks agree on a check exactly when their values are equal.
+# The ranks of one process group (``group``: its name, the same on each member) that checked
+# the same step are compared: the fingerprint most of them hold is the group's; a rank holding
+# another is the minority, named; where the largest camps tie (two replicas, or 2 against 2)
+# every rank of a tied camp is named, and the page says the majority cannot tell. Ranks a
+# check apart compare at the check they share; a rank alone at its step is compared with
+# nobody. Every series the comparison reads comes from one scrape of one rank's file: a
+# rank's step and fingerprint cannot be torn apart, so it pages at `for: 0s`.
+REPLICA_STEP_UNIT = str(1 << 26)   # rankscope.replicas.check: value = step x 2^26 + fingerprint
+REPLICA_TOTALS = "rankscope_replica_fingerprint{SEL,part=\"all\"}"
+REPLICA_CHECKS_RECORD = "rank_check:rankscope_replica_fingerprint:labelled"
+REPLICA_CHECKS = ("count_values without () (\"fingerprint\", " + REPLICA_TOTALS + ")\n"
+                  "* on (run, rank, replicas, group, of, slot) group_left (check_step)\n"
+                  "count_values without () (\"check_step\", floor(" + REPLICA_TOTALS + " / " + REPLICA_STEP_UNIT
+                  + "))")
+REPLICA_CHECK = "run, replicas, group, of, check_step"   # one check of one group
+REPLICA_AGREEING = "group_check:rankscope_replica_ranks:agreeing"            # ranks per fingerprint
+REPLICA_CHECKED = "group_check:rankscope_replica_ranks:checked"              # ranks that checked the step
+REPLICA_LARGEST = "group_check:rankscope_replica_ranks:largest_agreement"    # the largest camp
+REPLICA_OWN_CAMP = (REPLICA_CHECKS_RECORD + "\n* on (" + REPLICA_CHECK + ", fingerprint) group_left () "
+                    + REPLICA_AGREEING)
+REPLICA_MINORITY = REPLICA_OWN_CAMP + "\n< on (" + REPLICA_CHECK + ") group_left () " + REPLICA_LARGEST
+REPLICA_TIE = ("(\n  " + _indent(REPLICA_OWN_CAMP) + "\n  == on (" + REPLICA_CHECK + ") group_left () "
+               + REPLICA_LARGEST + "\n)\nand on (" + REPLICA_CHECK + ") (\n"
+               "  count by (" + REPLICA_CHECK + ") (\n"
+               "    " + REPLICA_AGREEING + " == on (" + REPLICA_CHECK + ") group_left () " + REPLICA_LARGEST + "\n"
+               "  ) > 1\n)")
+REPLICA_STEP = "floor(" + REPLICA_TOTALS + " / " + REPLICA_STEP_UNIT + ")"
+REPLICA_DIFFERS_RECORD = "rank_check:rankscope_replica_fingerprint:differs_at_step"
+REPLICA_DIFFERS = ("label_replace(\n  " + REPLICA_STEP + "\n  and on (run, rank, replicas, group, of, slot) (\n    "
+                   + _indent(REPLICA_MINORITY, "    ") + "\n  ),\n  \"verdict\", \"minority\", \"\", \"\"\n)\n"
+                   "or label_replace(\n  " + REPLICA_STEP + "\n  and on (run, rank, replicas, group, of, slot) (\n    "
+                   + _indent(REPLICA_TIE, "    ") + "\n  ),\n  \"verdict\", \"tie\", \"\", \"\"\n)")
+REPLICA_AGREEMENT_RECORD = "group:rankscope_replica_ranks:agreement_ratio"
+# The first part of the rank's weights (consecutive parameters, named by the first) whose
+# fingerprint at the alert's step no other rank of its group shares.
+REPLICA_FIRST_PART = (
+    "{{ with printf `count_values without () (\"v\", rankscope_replica_fingerprint{SEL,run=\"%s\",rank=\"%s\","
+    "group=\"%s\",of=\"weights\",part!=\"all\"} and on (slot) (floor(rankscope_replica_fingerprint{SEL,"
+    "run=\"%s\",rank=\"%s\",group=\"%s\",of=\"weights\",part=\"all\"} / " + REPLICA_STEP_UNIT + ") == %.0f)) "
+    "unless on (part, v) count_values without () (\"v\", rankscope_replica_fingerprint{SEL,run=\"%s\","
+    "rank!=\"%s\",group=\"%s\",of=\"weights\",part!=\"all\"})` $labels.run $labels.rank $labels.group "
+    "$labels.run $labels.rank $labels.group $value $labels.run $labels.rank $labels.group | query "
+    "| sortByLabel \"part\" }}{{ range $i, $p := . }}{{ if eq $i 0 }} The first of its weights that differ: "
+    "the part that begins at parameter {{ $p.Labels.param }} (part {{ $p.Labels.part }} of the model's "
+    "parameters in order).{{ end }}{{ end }}{{ end }}")
+REPLICA_VERDICT = (
+    "{{ with printf `" + REPLICA_DIFFERS_RECORD + "{run=\"%s\",rank=\"%s\",group=\"%s\",verdict=\"tie\"}` "
+    "$labels.run $labels.rank $labels.group | query }} Its group's replicas split into camps of equal size "
+    "(with two replicas, any difference does): the majority cannot tell which is right, and every rank of a "
+    "tied camp is named{{ with printf `max by (rank) (" + REPLICA_DIFFERS_RECORD + "{run=\"%s\",rank!=\"%s\","
+    "group=\"%s\",verdict=\"tie\"})` $labels.run $labels.rank $labels.group | query }} (also:{{ range . }} rank "
+    "{{ .Labels.rank }}{{ end }}){{ end }}.{{ else }}{{ with printf `" + REPLICA_LARGEST + "{run=\"%s\",group=\"%s\","
+    "of=\"weights\",check_step=\"%.0f\"}` $labels.run $labels.group $value | query }}{{ range . }} "
+    "{{ .Value }}{{ end }}{{ end }}{{ with printf `" + REPLICA_CHECKED + "{run=\"%s\",group=\"%s\",of=\"weights\","
+    "check_step=\"%.0f\"}` $labels.run $labels.group $value | query }}{{ range . }} of the {{ .Value }} ranks of "
+    "its group that checked this step{{ end }}{{ end }} agree with each other: this rank is the odd one out."
+    "{{ end }}")
+REPLICA_SINCE = (
+    "{{ with printf `min(min_over_time(" + REPLICA_DIFFERS_RECORD + "{run=\"%s\",rank=\"%s\",group=\"%s\"}"
+    "[<<replica_history>>]))` $labels.run $labels.rank $labels.group | query }}{{ range . }} Its first "
+    "check that differed (within <<replica_history>>): step {{ .Value | printf \"%.0f\" }}.{{ end }}{{ end }}")
+REPLICA_GRADS = (
+    "{{ with printf `" + REPLICA_DIFFERS_RECORD + "{run=\"%s\",rank=\"%s\",group=\"%s\",of=\"grads\"}` "
+    "$labels.run $labels.rank $labels.group | query }} Its reduced gradients differ too: it skipped or left "
+    "the gradient all-reduce (no_sync(), require_backward_grad_sync), or changed its gradients after it "
+    "(a rank-local clip or scaler).{{ else }} Its reduced gradients agree with its replicas' (or are not "
+    "checked): the weights changed apart in or after the optimizer step (a silently corrupting GPU, an "
+    "optimizer state of its own, a resume from another checkpoint).{{ end }}")
+
+
 RECORDING_RULES: tuple[Record, ...] = (
     # Step time per rank: exact mean over the window from the histogram.
     Record("rank:rankscope_step_duration_seconds:mean",
@@ -706,11 +780,32 @@ RECORDING_RULES: tuple[Record, ...] = (
            + new_events("rankscope_gpu_ecc_errors_total{SEL,type=\"uncorrected\"}", "<<gpu_error_window>>")
            + ", \"error\", \"ecc_uncorrected\", \"\", \"\")"),
     Record(GPU_THROTTLED_NOW, "rankscope_gpu_throttled{SEL,reason=~\"<<gpu_throttle_reasons>>\"} == 1"),
+    # ---- replicas: each check of each group, its camps, and the ranks outside the largest ----
+    Record(REPLICA_CHECKS_RECORD, REPLICA_CHECKS),
+    Record(REPLICA_AGREEING, "count by (" + REPLICA_CHECK + ", fingerprint) (" + REPLICA_CHECKS_RECORD + ")"),
+    Record(REPLICA_CHECKED, "count by (" + REPLICA_CHECK + ") (" + REPLICA_CHECKS_RECORD + ")"),
+    Record(REPLICA_LARGEST, "max by (" + REPLICA_CHECK + ") (" + REPLICA_AGREEING + ")"),
+    Record(REPLICA_DIFFERS_RECORD, REPLICA_DIFFERS),
+    # The share of a group's replicas in its largest camp, at its worse of the last two checks (dashboards).
+    Record(REPLICA_AGREEMENT_RECORD,
+           "min by (run, replicas, group) (" + REPLICA_LARGEST + " / " + REPLICA_CHECKED + ")"),
 )
 
 
 ALERTS: tuple[Alert, ...] = (
     # ---- divergence -------------------------------------------------------
+    # A rank whose replicated weights (or reduced gradients) left its replicas': the value is
+    # the latest check that differs.
+    Alert("RankscopeReplicaDiverged",
+          "max by (run, rank, node, replicas, group, shard) (" + REPLICA_DIFFERS_RECORD + ")",
+          "critical",
+          "Replica diverged in run {{ $labels.run }}: rank {{ $labels.rank }} ({{ $labels.replicas }} group "
+          "{{ $labels.group }}{{ if $labels.shard }}, shard {{ $labels.shard }}{{ end }})",
+          "In " + WHO + ", the weights it holds as a {{ $labels.replicas }} replica (process group "
+          "{{ $labels.group }}{{ if $labels.shard }}, shard {{ $labels.shard }}{{ end }}) are no longer the same "
+          "bits as its replicas' at step {{ $value | printf \"%.0f\" }}." + REPLICA_VERDICT + REPLICA_SINCE
+          + REPLICA_GRADS + REPLICA_FIRST_PART + " Checkpoints it writes from there are suspect; the runbook "
+          "says what each cause looks like."),
     Alert("RankscopeNonFiniteLoss",
           new_events("rankscope_nonfinite_total{SEL}", "<<event_window>>"),
           "critical",
@@ -1266,6 +1361,16 @@ RULE_GROUPS: tuple[Group, ...] = (
         STALLED_RECORD,
         _cause("stalled"),
         "RankscopeRunStalled",
+    )),
+    # Replicas: each check's camps, recorded in order, then the page, in the same evaluation.
+    Group("rankscope.alerts.replicas", (
+        REPLICA_CHECKS_RECORD,
+        REPLICA_AGREEING,
+        REPLICA_CHECKED,
+        REPLICA_LARGEST,
+        REPLICA_DIFFERS_RECORD,
+        REPLICA_AGREEMENT_RECORD,
+        "RankscopeReplicaDiverged",
     )),
     # Counted events that page at once (a non-finite loss, OOM): no rule here reads a
     # record or another rule of its group.

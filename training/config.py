@@ -75,6 +75,9 @@ class MonitorConfig:
     collective_timing: bool = False
     """Turn on each process group's own collective timing (NCCL: device durations in the flight recorder;
     docs/collectives.md)."""
+    replica_check_every: int = 100
+    """Every this many steps, a fingerprint of the tensors the rank holds a replica of (DDP's parameters,
+    DTensors placed Replicate()), compared across the replicas by the rules (rankscope.replicas); 0: off."""
     layout: str | None = None
     """The rank's coordinates in the job's parallel layout, ``pp=1,dp=0,tp=3`` (rankscope.layout), for
     launchers that know them (Megatron-style ``RANKSCOPE_LAYOUT=pp=$PP_RANK``); a device mesh or a
@@ -102,6 +105,9 @@ class MonitorConfig:
         if self.max_process_groups < 0:
             raise ConfigError(f"must be >= 0 (0 turns the reading off), got {self.max_process_groups}",
                               field="max_process_groups")
+        if self.replica_check_every < 0:
+            raise ConfigError(f"must be >= 0 (0 turns the check off), got {self.replica_check_every}",
+                              field="replica_check_every")
         if self.spike_warmup_steps < 0:
             raise ConfigError(f"spike_warmup_steps: must be >= 0, got {self.spike_warmup_steps}")
         if self.metrics_dir.exists() and not self.metrics_dir.is_dir():

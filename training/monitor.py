@@ -25,6 +25,7 @@ does one job, in a package by role (docs/design.md, "The rank side"):
     publishing    Publisher (the thread that writes the metric files), RankMetrics,
                   UserMetrics, startup (run claim, run directory, rank_info)
     tracing       spans of sampled and anomalous steps, in the rank's span process
+    replicas      ReplicaCheck: fingerprints of what a rank's replicas must hold bit for bit
     errors        counted, logged-once errors and drops
 
 Once the Monitor is constructed nothing raises into the loop except misuse
@@ -62,6 +63,7 @@ from rankscope.publishing.stacks import StackDumps, parse_signal
 from rankscope.publishing.startup import RankInfo, claim_run, prepare_run_dir
 from rankscope.publishing.startup_phases import StartupPhases, watch_init
 from rankscope.publishing.user_metrics import UserMetric, UserMetrics
+from rankscope.replicas.check import ReplicaCheck
 from rankscope.step.accounting import StepAccounting
 from rankscope.step.goodput import Progress, TimeUse, process_start_perf
 from rankscope.step.handoff import StepHandoff
@@ -155,6 +157,7 @@ class Monitor:
                                    rank_info, self.stacks, self.flops, cfg.publish_interval_s, cfg.memory_every_s,
                                    self.startup)
         self._rank_info = rank_info
+        self._optimizer_hook: Any = None   # torch's global optimizer pre-hook, once a replicated model is watched
         self.process_groups = _process_group_reader(self, ring)
         self.metrics.start_ts.set(self.registration.started_at)
         self.metrics.launch_world_size.set(self.identity.world_size)
@@ -199,12 +202,39 @@ class Monitor:
                 return model
             raise ConfigError(f"watch(): expected a torch.nn.Module or a PipelineStage, got {type(model).__name__}")
         self.device.bind(self.device.first_cuda_index(model))
+        self._check_replicas(model)
         if not comm_timing.is_ddp(model):
             return model
         self.comm = comm_timing.choose(self.config.comm_timing, model, self.tracker,
                                        functools.partial(self.errors.error, "collectives"))
         self.steps.comm = self.comm
         return model
+
+    def _check_replicas(self, model: Any) -> None:
+        """Fingerprints of what ``model`` replicates, every ``replica_check_every`` steps
+        (rankscope.replicas): the weights after a step, the gradients before its optimizer step."""
+        try:
+            check = ReplicaCheck.of(model, self.config.replica_check_every, self.metrics, self.device,
+                                    self.errors.drop)
+        except Exception:   # a model whose parameters cannot be read: no check, training untouched
+            self.errors.error("replicas")
+            return
+        if check is None:
+            return
+        self.handoff.replica_check = self.publisher.replica_check = check
+        if self._optimizer_hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._optimizer_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Every optimizer's step in the process (torch's global pre-hook); reads, never changes."""
+        check, step = self.handoff.replica_check, self.steps.step
+        if check is not None and step.open:
+            try:
+                check.before_optimizer_step(step.number)
+            except Exception:
+                self.errors.error("replicas")
 
     def _learn_layout(self, learnt: Layout) -> None:
         merged = self.layout.merged(learnt)
@@ -366,6 +396,8 @@ class Monitor:
                 self.steps.step.end(_exception_in_flight())
             self.steps.settle()
             self._restore_init()
+            if self._optimizer_hook is not None:
+                self._optimizer_hook.remove()
             self.publisher.flush(timeout_s=2.0)   # the last steps' traces are built here, before the tracer stops
             self.tracing.shutdown(timeout_s=2.0)
             if self.process_groups is not None:

@@ -209,8 +209,8 @@ class StrictCuda(cuda_api.Cuda):
     def timing_event(self) -> StrictEvent:
         return StrictEvent(self)
 
-    def pinned_scalar(self, dtype: Any) -> Any:
-        host = torch.empty((), dtype=dtype)
+    def pinned_buffer(self, dtype: Any, shape: tuple[int, ...] = ()) -> Any:
+        host = torch.empty(shape, dtype=dtype)
         self._host[id(host)] = host
         return host
 

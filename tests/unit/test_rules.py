@@ -321,6 +321,7 @@ def metric_names(expr: str) -> set[str]:
     expr = re.sub(r"\"[^\"]*\"|`[^`]*`", "", expr)     # string literals
     expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
     expr = re.sub(r"offset\s+\w+", "", expr)
+    expr = re.sub(r"%[-+ #0]*\d*(\.\d+)?[a-zA-Z]", "", expr)   # a template's printf verbs (%s, %.0f)
     names = set()
     for m in re.finditer(r"([a-zA-Z_:][\w:]*)(\s*\()?", expr):
         word, call = m.group(1), m.group(2)

@@ -58,7 +58,8 @@ MAX_PROCESS_GROUPS_DEFAULT = 16
 EAGER_COLLECTIVE_OPS: tuple[str, ...] = ("all_reduce",)
 NONFINITE_WHAT: tuple[str, ...] = ("loss", "grad")
 # Where rankscope's own code failed (rankscope_telemetry_errors_total{component}).
-ERROR_COMPONENTS: tuple[str, ...] = ("step", "publisher", "memory", "collectives", "loss", "tracing", "user")
+ERROR_COMPONENTS: tuple[str, ...] = ("step", "publisher", "memory", "collectives", "loss", "tracing", "user",
+                                     "replicas")
 # What rankscope had to throw away (rankscope_telemetry_dropped_total{what}).
 DROP_REASONS: dict[str, str] = {
     "step_duration": "a step's duration and values (the step is still counted): more steps between two publishes "
@@ -73,6 +74,8 @@ DROP_REASONS: dict[str, str] = {
                  "between two steps than logged",
     "process_group": "a collective of a process group beyond the rank's budget (RANKSCOPE_MAX_PROCESS_GROUPS)",
     "flight_recorder": "a collective overwritten in torch's flight recorder ring before it was read",
+    "replica_check": "a replica fingerprint not taken or not published: the model's parameters changed after "
+                     "watch(), its tensors are on a device the monitor cannot time, or the publisher was far behind",
     "sink": "a record of rank 0's TensorBoard / MLflow sink not written: its queue was full, the backend failed "
             "(a dead tracking server, a full disk), or no exporter answered (docs/sinks.md)",
 }
@@ -150,6 +153,9 @@ def _g(name: str, help: str, labels: tuple[str, ...] = (), mode: str = "mostrece
 def _h(name: str, help: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> MetricSpec:
     return MetricSpec(name, "histogram", help, labels, buckets=buckets)
 
+
+# Labels of rankscope_replica_fingerprint (rankscope.replicas.check).
+REPLICA_LABELS: tuple[str, ...] = ("replicas", "group", "shard", "of", "part", "param", "slot")
 
 # Labels of rankscope_rank_info beyond identity. Empty string where unknown.
 RANK_INFO_LABELS: tuple[str, ...] = (
@@ -259,6 +265,14 @@ RANK_METRICS: tuple[MetricSpec, ...] = (
     _g("rankscope_process_group_in_flight_started_timestamp_seconds",
        "Unix time at which the oldest collective of this op still in flight on the process group was "
        "enqueued; 0 when none is.", PROCESS_GROUP_LABELS + ("op",), mode="livemostrecent"),
+    # replicas (rankscope.replicas): the fingerprint of what must be bit-identical on other ranks
+    _g("rankscope_replica_fingerprint",
+       "A check of the tensors this rank holds a replica of, every K steps: (step mod 2^27) x 2^26 + the sum of "
+       "their bits as integers folded to 26 bits; equal on two ranks exactly when they checked the same step and "
+       "hold the same bits. replicas: ddp or the mesh dimension they are replicated on; group: the process group "
+       "(its name); shard: which part of the model; of: weights (after the optimizer step) or grads (reduced, "
+       "before it); part: all, or the index of a run of consecutive parameters whose first is param; slot: the "
+       "check number mod 2 (the last two checks).", REPLICA_LABELS, mode="livemostrecent"),
     # memory
     _g("rankscope_device_memory_allocated_bytes", "Bytes currently allocated by the CUDA caching allocator."),
     _g("rankscope_device_memory_reserved_bytes", "Bytes currently reserved by the CUDA caching allocator."),

@@ -104,10 +104,10 @@ class Cuda:
 
         return torch.cuda.Event(enable_timing=True)
 
-    def pinned_scalar(self, dtype: Any) -> Any:
+    def pinned_buffer(self, dtype: Any, shape: tuple[int, ...] = ()) -> Any:
         import torch
 
-        return torch.empty((), dtype=dtype, pin_memory=True)
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
 
     def copy_to_host(self, host: Any, tensor: Any) -> None:
         """Queue a device-to-host copy on the tensor's device's current stream; no wait."""

@@ -48,8 +48,10 @@ class DeviceReads:
         self._values: deque[DeviceValue] = deque()
         self._steps: deque[DeviceStep] = deque()
         self._user: deque[tuple[Any, Any, Callable[[float], None]]] = deque()   # (host, ready, deliver)
-        # dtype -> pinned buffers whose value was read (appended by the publisher, popped by the training thread)
-        self._free_pinned: dict[Any, list[Any]] = {}
+        self._arrays: deque[tuple[Any, Any, Callable[[list], None]]] = deque()  # (host, ready, deliver)
+        # (dtype, shape) -> pinned buffers whose value was read (appended by the publisher, popped by
+        # the training thread)
+        self._free_pinned: dict[tuple[Any, tuple[int, ...]], list[Any]] = {}
 
     # -- training thread -------------------------------------------------------
     def defer_value(self, what: str, tensor: Any, step: Any) -> None:
@@ -65,6 +67,13 @@ class DeviceReads:
         if copied is not None:
             self._user.append((*copied, deliver))
 
+    def defer_array(self, what: str, tensor: Any, deliver: Callable[[list], None]) -> None:
+        """A device tensor of any shape (a replica fingerprint's sums): ``deliver(values)``, its
+        elements as a list, runs on the publisher once it is copied."""
+        copied = self._copy(what, tensor, self._arrays)
+        if copied is not None:
+            self._arrays.append((*copied, deliver))
+
     def _copy(self, what: str, tensor: Any, queue: deque) -> tuple[Any, Any] | None:
         device = self._device
         if not device.owns(tensor):
@@ -73,18 +82,18 @@ class DeviceReads:
             return None
         if not self._room(queue, "device_value"):
             return None
-        host = self._pinned(tensor.dtype)
+        host = self._pinned(tensor.dtype, tuple(tensor.shape))
         device.api.copy_to_host(host, tensor)
         ready = self.events.get()
         ready.record(device.stream())
         return host, ready
 
-    def _pinned(self, dtype: Any) -> Any:
-        """A pinned 0-d buffer, reused once its value has been read: no allocation per step."""
-        free = self._free_pinned.get(dtype)
+    def _pinned(self, dtype: Any, shape: tuple[int, ...] = ()) -> Any:
+        """A pinned buffer, reused once its value has been read: no allocation per step."""
+        free = self._free_pinned.get((dtype, shape))
         if free:
             return free.pop()
-        return self._device.api.pinned_scalar(dtype)
+        return self._device.api.pinned_buffer(dtype, shape)
 
     def defer_step(self, step: DeviceStep) -> None:
         if self._room(self._steps, "device_step"):
@@ -123,9 +132,18 @@ class DeviceReads:
             done += 1
         return done
 
+    def deliver_arrays(self) -> None:
+        """Hands each copied array to its reader, in order; never blocks."""
+        arrays = self._arrays
+        while arrays and arrays[0][1].query():
+            host, ready, deliver = arrays.popleft()
+            values = host.tolist()
+            self._release(host, ready)
+            deliver(values)
+
     def _release(self, host: Any, ready: Any) -> None:
         self.events.put(ready)
-        free = self._free_pinned.setdefault(host.dtype, [])
+        free = self._free_pinned.setdefault((host.dtype, tuple(host.shape)), [])
         if len(free) < MAX_FREE_PINNED:
             free.append(host)
 

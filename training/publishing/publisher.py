@@ -78,6 +78,7 @@ class Publisher:
         self._published = {"spans": 0, "collective": 0}
         self._acc = Accumulator()          # what the steps since the last publish added up to
         self.hold = LongestHold()          # the longest publish part, after the accounting's sliced absorb
+        self.replica_check: Any = None     # rankscope.replicas.check.ReplicaCheck, once a replicated model is watched
 
     def start(self) -> None:
         self.publish()   # heartbeat and zeros visible before the first step
@@ -113,6 +114,7 @@ class Publisher:
                                     ("publisher", self._write_steps), ("publisher", self._write_startup),
                                     ("publisher", self._write_time_use),
                                     ("collectives", self._write_collectives), ("memory", self._write_memory),
+                                    ("replicas", self._write_replicas),
                                     ("tracing", self._write_drops), ("publisher", self._rank_info.save_when_known),
                                     ("publisher", self._rank_info.publish_saved), ("publisher", self._stacks.check)):
                 self.hold.start()
@@ -148,6 +150,7 @@ class Publisher:
                 for phases in reads.ready_steps():
                     accounting.device_phases_ready(phases)
                 reads.deliver_user_values()
+                reads.deliver_arrays()
         acc = self._acc = accounting.swap()
         overflow = self._handoff.take_overflow()
         if overflow.steps:
@@ -174,6 +177,10 @@ class Publisher:
             if m.model_flops is not None:
                 m.model_flops.inc(self._flops.step_flops(acc.samples, acc.tokens) or 0.0)
         observe_all(m.data_wait, acc.data_waits)
+
+    def _write_replicas(self) -> None:
+        if self.replica_check is not None:
+            self.replica_check.publish()
 
     def _write_startup(self) -> None:
         if self._startup is not None:

@@ -103,6 +103,7 @@ class StepHandoff:
         self.ooms = 0                # out-of-memory errors inside steps, cumulative (the publisher takes deltas)
         self._overflow = Overflow()
         self._overflow_lock = threading.Lock()
+        self.replica_check: Any = None   # rankscope.replicas.check.ReplicaCheck, once a replicated model is watched
 
     # -- training thread -------------------------------------------------------
     def step_ended(self, s: Any, t1: float, exc: BaseException | None) -> None:
@@ -136,6 +137,12 @@ class StepHandoff:
             self.entries.append(ended)
         else:
             self._overflowed(ended)
+        check = self.replica_check
+        if check is not None and not s.number % check.every:
+            try:
+                check.step_ended(s.number)
+            except Exception:
+                self._errors.error("replicas")
 
     def interval_ended(self, category: str, t0: float, t1: float) -> None:
         """A checkpoint or evaluation block."""
