@@ -542,17 +542,23 @@ REPLICA_CHECKS = ("count_values without () (\"fingerprint\", " + REPLICA_TOTALS 
                   "count_values without () (\"check_step\", floor(" + REPLICA_TOTALS + " / " + REPLICA_STEP_UNIT
                   + "))")
 REPLICA_CHECK = "run, replicas, group, of, check_step"   # one check of one group
+REPLICA_GROUP_SIZE = ("on (run, replicas, group) group_left () "
+                      "max by (run, replicas, group) (rankscope_replica_group_size{SEL})")
 REPLICA_AGREEING = "group_check:rankscope_replica_ranks:agreeing"            # ranks per fingerprint
 REPLICA_CHECKED = "group_check:rankscope_replica_ranks:checked"              # ranks that checked the step
 REPLICA_LARGEST = "group_check:rankscope_replica_ranks:largest_agreement"    # the largest camp
 REPLICA_OWN_CAMP = (REPLICA_CHECKS_RECORD + "\n* on (" + REPLICA_CHECK + ", fingerprint) group_left () "
                     + REPLICA_AGREEING)
-REPLICA_MINORITY = REPLICA_OWN_CAMP + "\n< on (" + REPLICA_CHECK + ") group_left () " + REPLICA_LARGEST
+# Judged only on what no later publish can overturn: a minority once a strict majority of the
+# group's ranks holds another fingerprint; a tie once every rank of the group has checked (ranks
+# publish a check up to a publish interval apart: half a group seen early must not name anyone).
+REPLICA_MINORITY = (REPLICA_OWN_CAMP + "\n< on (" + REPLICA_CHECK + ") group_left () (\n  " + REPLICA_LARGEST
+                    + "\n  and on (" + REPLICA_CHECK + ") " + REPLICA_LARGEST + " * 2 > " + REPLICA_GROUP_SIZE + "\n)")
 REPLICA_TIE = ("(\n  " + _indent(REPLICA_OWN_CAMP) + "\n  == on (" + REPLICA_CHECK + ") group_left () "
                + REPLICA_LARGEST + "\n)\nand on (" + REPLICA_CHECK + ") (\n"
                "  count by (" + REPLICA_CHECK + ") (\n"
                "    " + REPLICA_AGREEING + " == on (" + REPLICA_CHECK + ") group_left () " + REPLICA_LARGEST + "\n"
-               "  ) > 1\n)")
+               "  ) > 1\n)\nand on (" + REPLICA_CHECK + ") " + REPLICA_CHECKED + " == " + REPLICA_GROUP_SIZE)
 REPLICA_STEP = "floor(" + REPLICA_TOTALS + " / " + REPLICA_STEP_UNIT + ")"
 REPLICA_DIFFERS_RECORD = "rank_check:rankscope_replica_fingerprint:differs_at_step"
 REPLICA_DIFFERS = ("label_replace(\n  " + REPLICA_STEP + "\n  and on (run, rank, replicas, group, of, slot) (\n    "
@@ -786,9 +792,12 @@ RECORDING_RULES: tuple[Record, ...] = (
     Record(REPLICA_CHECKED, "count by (" + REPLICA_CHECK + ") (" + REPLICA_CHECKS_RECORD + ")"),
     Record(REPLICA_LARGEST, "max by (" + REPLICA_CHECK + ") (" + REPLICA_AGREEING + ")"),
     Record(REPLICA_DIFFERS_RECORD, REPLICA_DIFFERS),
-    # The share of a group's replicas in its largest camp, at its worse of the last two checks (dashboards).
+    # The share of a group's replicas in its largest camp, at the worse of its last two checks that
+    # every rank has made (dashboards).
     Record(REPLICA_AGREEMENT_RECORD,
-           "min by (run, replicas, group) (" + REPLICA_LARGEST + " / " + REPLICA_CHECKED + ")"),
+           "min by (run, replicas, group) (\n"
+           "  " + REPLICA_LARGEST + " / " + REPLICA_GROUP_SIZE + "\n"
+           "  and on (" + REPLICA_CHECK + ") " + REPLICA_CHECKED + " == " + REPLICA_GROUP_SIZE + "\n)"),
 )
 
 

@@ -5,7 +5,8 @@
     torchrun --standalone --nproc-per-node 4 -m rankscope.train --parallelism 2d --tp-size 2
 
 Parallelism: ``ddp`` (DistributedDataParallel), ``fsdp2`` (``fully_shard`` on
-every linear layer and the root), ``2d`` (a data-parallel x tensor-parallel
+every linear layer and the root), ``hsdp`` (the same over a 2-D mesh: two replicas,
+each sharded over half the world), ``2d`` (a data-parallel x tensor-parallel
 device mesh: the linear layers sharded over ``tp`` with DTensor, then
 ``fully_shard`` over ``dp``), ``pipeline`` (the layers split into ``--stages``
 pipeline stages, each data-parallel over world/stages ranks; micro-batches
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from typing import Any
 import datetime
 import json
 import os
@@ -45,7 +47,7 @@ from rankscope.flops import FlopsConfig
 from rankscope.monitor import Monitor
 
 IN_FEATURES, CLASSES = 32, 10
-PARALLELISMS = ("ddp", "fsdp2", "2d", "pipeline")
+PARALLELISMS = ("ddp", "fsdp2", "hsdp", "2d", "pipeline")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--print-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parallelism", choices=PARALLELISMS, default="ddp",
-                   help="ddp (default), fsdp2 (fully_shard), or 2d (data parallel x tensor parallel mesh)")
+                   help="ddp (default), fsdp2 (fully_shard), hsdp (fully_shard over 2 replicas x half the world), or 2d (data parallel x tensor parallel mesh)")
     p.add_argument("--tp-size", type=int, default=2, help="2d: ranks per tensor-parallel group (default 2)")
     p.add_argument("--stages", type=int, default=2, help="pipeline: pipeline stages (default 2)")
     p.add_argument("--micro-batches", type=int, default=2, help="pipeline: micro-batches per step (default 2)")
@@ -85,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     n.add_argument("--uneven-work", action="store_true",
                    help="each rank's batch of each step has its own length: --step-delay times 0.2-1.0 of the "
                         "longest, drawn per rank and step (mean 1x), as unpacked sequences of random length make it")
+    n.add_argument("--dropout", type=float, default=0.0, metavar="P", help="dropout after each hidden layer")
     n.add_argument("--loss-noise", type=float, default=0.0, metavar="R", help="multiply the loss by 1 +- R")
     n.add_argument("--eval-pause", type=float, default=0.0, metavar="S", help="extra seconds per evaluation")
     n.add_argument("--checkpoint-pause", type=float, default=0.0, metavar="S", help="seconds each checkpoint takes")
@@ -111,6 +114,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f.add_argument("--raise-at", type=int, default=None, metavar="STEP",
                    help="raise an exception (a data error) in the loop at STEP")
     f.add_argument("--hang-at", type=int, default=None, metavar="STEP", help="hang before the collective of STEP")
+    f.add_argument("--flip-bit-at", type=int, default=None, metavar="STEP",
+                   help="flip one bit of one weight (2.weight's first element of this rank's copy or shard) after "
+                        "the optimizer step of STEP: a silently corrupting GPU")
+    f.add_argument("--no-sync-at", type=int, default=None, metavar="STEP",
+                   help="ddp: run STEP's forward and backward under no_sync() on this rank only")
+    f.add_argument("--resume-perturbed", type=float, default=0.0, metavar="EPS",
+                   help="start from weights EPS off the others' (a checkpoint of its own, loaded into the wrapped "
+                        "model after DDP's broadcast)")
     f.add_argument("--slow-rank-delay", type=float, default=0.0, metavar="S", help="extra compute seconds per step")
     f.add_argument("--slow-data-delay", type=float, default=0.0, metavar="S", help="extra seconds per batch load")
     f.add_argument("--late-init", type=float, default=0.0, metavar="S",
@@ -176,8 +187,13 @@ class TeacherDataset(Dataset):
         return torch.stack(xs), torch.stack(ys)
 
 
-def build_model(hidden: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(IN_FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+def build_model(hidden: int, dropout: float = 0.0) -> nn.Module:
+    """Linear layers at indices 0, 2 and 4 (the tensor-parallel plan names them); a dropout sits
+    inside the activation's slot."""
+    def activation() -> nn.Module:
+        return nn.Sequential(nn.ReLU(), nn.Dropout(dropout)) if dropout else nn.ReLU()
+
+    return nn.Sequential(nn.Linear(IN_FEATURES, hidden), activation(), nn.Linear(hidden, hidden), activation(),
                          nn.Linear(hidden, CLASSES))
 
 
@@ -187,7 +203,7 @@ def parallelize(args: argparse.Namespace, monitor: Monitor, device: torch.device
     fsdp2 and 2d need nothing from rankscope beyond the Monitor: torch's flight
     recorder shows it their collectives (rankscope.collectives.process_groups)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model(args.hidden).to(device)
+    model = build_model(args.hidden, args.dropout).to(device)
     if args.parallelism == "ddp":
         cuda = device.type == "cuda"
         return monitor.watch(DDP(model, device_ids=[device.index] if cuda else None,
@@ -201,6 +217,14 @@ def parallelize(args: argparse.Namespace, monitor: Monitor, device: torch.device
 
     if args.parallelism == "fsdp2":
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        return monitor.watch(fully_shard(model, mesh=mesh)), rank, world
+    if args.parallelism == "hsdp":   # 2 replicas, each sharded over half the world
+        if world % 2:
+            raise SystemExit(f"rankscope-train: --parallelism hsdp needs an even world size, not {world}")
+        mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -415,11 +439,41 @@ class Faults:
             return loss * (1.0 + 0.01 * (step - a.diverge_from))
         return loss
 
+    def sync_skipped(self, model: nn.Module, step: int) -> Any:
+        """The context STEP's forward and backward run in: DDP's no_sync() on the fault rank at --no-sync-at."""
+        if self.at("no_sync_at", step) and isinstance(model, DDP):
+            print(f"rank {self.rank}: injected no_sync() at step {step}", flush=True)
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def after_optimizer(self, model: nn.Module, step: int) -> None:
+        if self.at("flip_bit_at", step):
+            weight = dict(_module(model).named_parameters())["2.weight"]
+            with torch.no_grad():
+                _local(weight).view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 20)
+            print(f"rank {self.rank}: injected a bit flip in 2.weight after step {step}", flush=True)
+
+    def perturb(self, model: nn.Module) -> None:
+        if self.on and self.args.resume_perturbed:
+            with torch.no_grad():
+                for p in _module(model).parameters():
+                    _local(p).add_(self.args.resume_perturbed)
+            print(f"rank {self.rank}: starts {self.args.resume_perturbed} off the others' weights", flush=True)
+
     def before_backward(self, step: int) -> None:
         if self.at("hang_at", step):
             print(f"rank {self.rank}: injected hang at step {step}", flush=True)
             while True:  # peers block in this step's all-reduce
                 time.sleep(1)
+
+
+def _module(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DDP) else model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's own bits on this rank (a DTensor's local shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def train(args: argparse.Namespace, monitor: Monitor, device: torch.device) -> None:
@@ -428,6 +482,7 @@ def train(args: argparse.Namespace, monitor: Monitor, device: torch.device) -> N
     train_set = TeacherDataset(args.samples, args.seed, "train", slow_delay=args.slow_data_delay if faults.on else 0.0)
     eval_set = TeacherDataset(4096, args.seed, "eval")
     model, data_rank, data_world = parallelize(args, monitor, device)
+    faults.perturb(model)
     sampler = DistributedSampler(train_set, num_replicas=data_world, rank=data_rank, shuffle=True, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
                         collate_fn=train_set.collate, drop_last=True, persistent_workers=args.workers > 0)
@@ -543,7 +598,7 @@ def train_step(monitor: Monitor, model: nn.Module, opt: torch.optim.Optimizer, l
                x: torch.Tensor, y: torch.Tensor, step: int, faults: Faults) -> torch.Tensor:
     if isinstance(model, PipelineStageModel):
         return pipeline_step(monitor, model, opt, loss_fn, x, y, step, faults)
-    with monitor.step(samples=len(x), step=step) as s:
+    with monitor.step(samples=len(x), step=step) as s, faults.sync_skipped(model, step):
         with s.phase("forward"):
             faults.before_forward(step)
             loss = faults.loss(loss_fn(model(x), y), step)
@@ -552,10 +607,11 @@ def train_step(monitor: Monitor, model: nn.Module, opt: torch.optim.Optimizer, l
             loss.backward()
         with s.phase("optimizer"):
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=5.0)
-            if hasattr(grad_norm, "full_tensor"):   # a DTensor (fsdp2, 2d)
+            if hasattr(grad_norm, "full_tensor"):   # a DTensor (fsdp2, hsdp, 2d)
                 grad_norm = grad_norm.full_tensor()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            faults.after_optimizer(model, step)
         s.observe(loss=loss, grad_norm=grad_norm, lr=opt.param_groups[0]["lr"])
     return loss
 

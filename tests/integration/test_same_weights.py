@@ -7,7 +7,8 @@ and after the last their weights, must be equal bit for bit, wherever DDP's
 group is not the world (``process_group=``, a group of three whose 1/3 is not
 exact in binary, one dim of a 2-D device mesh), with and without
 ``gradient_as_bucket_view``, with the user's own comm hook (bf16, torch's fp16)
-registered before or after ``watch()``, and for an FSDP1 model.
+registered before or after ``watch()``, for FSDP1, FSDP2, HSDP and tensor-parallel models, with the
+replica check (rankscope.replicas) fingerprinting every step.
 """
 
 from __future__ import annotations
@@ -28,14 +29,21 @@ EXPECTED = {
     "view_pair": "hook",      # gradient_as_bucket_view=True: DDP divides the bucket in place from step 2
     "view_odd": "hook",       # ... over a group of three, where dividing and multiplying by 1/3 differ
     "fsdp1": "off",           # not a DDP: read through the flight recorder, never hooked
+    "fsdp2": "off",
+    "hsdp": "off",
+    "tp": "off",
 }
+# scenario -> the replica sets the check compares (every step: RANKSCOPE_REPLICA_CHECK_EVERY=1)
+REPLICAS = {"world": ["ddp"], "subgroup": ["ddp"], "mesh_dim": ["ddp"], "fsdp1": [], "fsdp2": [],
+            "hsdp": ["dp_replicate"], "tp": ["tp"]}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("same-weights")
     with UserJob("same_weights.py", *EXPECTED, "--steps", "5", nproc=4, tmp_path=tmp,
-                 env={"RANKSCOPE_EXPORTER": "off", "RANKSCOPE_COMM_TIMING": "hook"}) as job:
+                 env={"RANKSCOPE_EXPORTER": "off", "RANKSCOPE_COMM_TIMING": "hook",
+                      "RANKSCOPE_REPLICA_CHECK_EVERY": "1"}) as job:
         job.run(timeout=240)
         return {scenario: job.results(scenario) for scenario in EXPECTED}
 
@@ -47,6 +55,12 @@ def test_a_watched_job_trains_to_the_same_weights_bit_for_bit(results, scenario)
     for rank, r in by_rank.items():
         assert r["equal_grads"] and r["equal_weights"] and r["max_diff"] == 0.0, (rank, r)
         assert r["strategy"] == EXPECTED[scenario], (rank, r)
+
+
+@pytest.mark.parametrize("scenario", list(REPLICAS))
+def test_the_replica_check_ran_on_every_step_of_what_the_layout_replicates(results, scenario):
+    for rank, r in results[scenario].items():
+        assert [s["replicas"] for s in r["replica_sets"]] == REPLICAS[scenario], (rank, r)
 
 
 @pytest.mark.parametrize("scenario", ["subgroup", "odd_group", "mesh_dim", "hook_after", "fp16_after", "view_pair",

@@ -28,6 +28,12 @@ SCENARIO (4 ranks)
 GPU check runs two ranks on one GPU over gloo with CUDA tensors: the hook's arithmetic on
 the device, its buckets timed by CUDA events).
   fsdp1           an FSDP1 (FullyShardedDataParallel) model under watch()
+  fsdp2           fully_shard over the world (nothing replicated: no replica check)
+  hsdp            fully_shard over a 2 x 2 mesh (dp_replicate, dp_shard): its shards checked across replicas
+  tp              tensor parallel over the world (a row-parallel bias replicated: checked across the group)
+
+Every scenario runs with the replica check at every step (RANKSCOPE_REPLICA_CHECK_EVERY, set by the
+test): the fingerprints it takes read the weights and gradients, never change them.
 
 RANKSCOPE_COMM_TIMING picks the strategy for every scenario (default: hook).
 """
@@ -45,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from rankscope import Monitor
 
 SCENARIOS = ("subgroup", "odd_group", "mesh_dim", "world", "hook_before", "hook_after", "fp16_after", "view_pair",
-             "view_odd", "view_world", "fsdp1")
+             "view_odd", "view_world", "fsdp1", "fsdp2", "hsdp", "tp")
 DEVICE = torch.device("cpu")
 
 
@@ -92,7 +98,23 @@ def wrap(scenario: str, model: nn.Module, rank: int):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         return FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    if scenario in ("fsdp2", "hsdp", "tp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if scenario == "tp":
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+            return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        shape, names = ((world,), ("dp_shard",)) if scenario == "fsdp2" else ((2, world // 2), ("dp_replicate", "dp_shard"))
+        return fully_shard(model, mesh=init_device_mesh("cpu", shape, mesh_dim_names=names))
     raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The bits this rank holds (a DTensor's local shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def run(scenario: str, steps: int, rank: int) -> dict:
@@ -121,7 +143,7 @@ def run(scenario: str, steps: int, rank: int) -> dict:
                 else:
                     nn.functional.mse_loss(model(x), y).backward()
             # (FSDP1 leaves the gradient of a parameter this rank holds no shard of as None)
-            grads = [[None if p.grad is None else p.grad.clone() for p in m.parameters()] for m in (bare, watched)]
+            grads = [[None if p.grad is None else local(p.grad).clone() for p in m.parameters()] for m in (bare, watched)]
             equal_grads &= all(a is b is None or a is not None and b is not None and torch.equal(a, b)
                                for a, b in zip(*grads))
             for opt in opts:
@@ -129,12 +151,14 @@ def run(scenario: str, steps: int, rank: int) -> dict:
                 # With gradient_as_bucket_view, gradients kept (not set to None) stay views of DDP's
                 # buckets, which DDP then divides in place: the path whose last bits could differ.
                 opt.zero_grad(set_to_none=not scenario.startswith("view_"))
-        pairs = list(zip(bare.parameters(), watched.parameters()))
+        pairs = [(local(a), local(b)) for a, b in zip(bare.parameters(), watched.parameters())]
         if DEVICE.type == "cuda":
             torch.cuda.synchronize()   # the test's own wait: the buckets' events are then complete
         monitor.publisher.flush()
         timed = sum(b.get() for b in monitor.metrics.collective("all_reduce").duration._buckets)
+        check = monitor.handoff.replica_check
         return {"equal_grads": equal_grads, "timed_all_reduces": timed,
+                "replica_sets": [] if check is None else [s.labels for s in check._sets],
                 "equal_weights": all(torch.equal(a, b) for a, b in pairs),
                 "max_diff": max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in pairs),
                 "strategy": monitor.comm.mode, "steps": steps}

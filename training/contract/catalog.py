@@ -273,6 +273,10 @@ RANK_METRICS: tuple[MetricSpec, ...] = (
        "(its name); shard: which part of the model; of: weights (after the optimizer step) or grads (reduced, "
        "before it); part: all, or the index of a run of consecutive parameters whose first is param; slot: the "
        "check number mod 2 (the last two checks).", REPLICA_LABELS, mode="livemostrecent"),
+    _g("rankscope_replica_group_size",
+       "Ranks of the process group that hold a replica of the same tensors as this rank (its replica set's "
+       "group): a check is judged once a majority of them, or all, have made it.", REPLICA_LABELS[:3],
+       mode="livemostrecent"),
     # memory
     _g("rankscope_device_memory_allocated_bytes", "Bytes currently allocated by the CUDA caching allocator."),
     _g("rankscope_device_memory_reserved_bytes", "Bytes currently reserved by the CUDA caching allocator."),

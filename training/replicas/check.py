@@ -72,11 +72,17 @@ class ReplicaCheck:
         self._signature = signature(model)
         self._metrics = metrics
         self._family = metrics.family("rankscope_replica_fingerprint")
+        self._sizes = metrics.family("rankscope_replica_group_size")
         self._device = device
         self._drop = drop
         self._grads_taken = -1
         self._ready: deque[tuple[ReplicaSet, str, int, list[int]]] = deque()   # (set, of, step, sums)
         self._series: dict[tuple[str, ...], Any] = {}
+        self._publish_sizes(sets)
+
+    def _publish_sizes(self, sets: list[ReplicaSet]) -> None:
+        for s in sets:
+            self._metrics.child(self._sizes, s.labels).set(s.size)
 
     @classmethod
     def of(cls, model: Any, every: int, metrics: Any, device: Any,
@@ -101,6 +107,7 @@ class ReplicaCheck:
             self._drop("replica_check", "the model's parameters were added, removed or reshaped after watch(): "
                                         "its replicas are compared again from the next check")
             self._signature, self._sets = now, find(self._model)
+            self._publish_sizes(self._sets)
             return
         for s in self._sets:
             self._take(s, "weights", number, [local(p) for p in s.parameters])
@@ -119,14 +126,15 @@ class ReplicaCheck:
 
     def _take(self, s: ReplicaSet, of: str, number: int, tensors: list[Any]) -> None:
         sums = tensor_sums(tensors)
-        if sums.device.type == "cpu":
+        device = self._device
+        index = device.device_of(sums)
+        if index is None:   # host tensors: already computed
             self._deliver(s, of, number, sums.tolist())
             return
-        device = self._device
         if device.reads is None:
-            device.bind(device.device_of(sums))
+            device.bind(index)
         if device.reads is None:
-            self._drop("replica_check", f"the {of} are on {sums.device}, which the monitor cannot time")
+            self._drop("replica_check", f"the {of} are on cuda:{index}, which the monitor cannot time")
             return
         device.reads.defer_array(f"replica {of} fingerprint", sums,
                                  lambda values: self._deliver(s, of, number, values))

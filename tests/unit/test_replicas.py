@@ -1,0 +1,134 @@
+"""The replica check's parts (rankscope.replicas): the fingerprint, its published value, the check's
+steps and drops, and its CUDA path against the strict double. Real multi-rank jobs compare replicas
+in tests/drills/test_replica_drills.py; tests/integration/test_same_weights.py shows the check
+changes no weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rankscope.device.rank_device import RankDevice
+from rankscope.errors import TelemetryErrors
+from rankscope.publishing.metrics import RankMetrics
+from rankscope.replicas.check import FINGERPRINT_BITS, ReplicaCheck, encode, parts, step_of, tensor_sums
+from rankscope.replicas.sets import ReplicaSet, find
+from tests.helpers.strict_cuda import StrictCuda, in_thread
+
+IDENTITY = {"run": "replicas", "rank": "0", "local_rank": "0", "node": "n"}
+
+
+def test_the_fingerprint_is_the_same_in_any_order_and_moves_with_one_bit():
+    """A float sum's last bits depend on the order of its additions; an integer sum of the bits
+    does not. One flipped bit anywhere (a low mantissa bit, the sign, the exponent) moves it."""
+    torch.manual_seed(0)
+    t = torch.randn(10_000)
+    shuffled = t[torch.randperm(len(t))]
+    assert tensor_sums([t]).tolist() == tensor_sums([shuffled]).tolist()
+    assert t.sum().item() != shuffled.sum().item() or t.double().sum() != shuffled.double().sum()  # floats may not
+    for bit in (0, 12, 23, 30, 31):
+        flipped = t.clone()
+        flipped.view(torch.int32)[1234] ^= 1 << bit
+        assert encode(7, tensor_sums([flipped]).sum().item()) != encode(7, tensor_sums([t]).sum().item()), bit
+    half = torch.randn(64, dtype=torch.bfloat16)
+    assert tensor_sums([half, t]).dtype == torch.int64 and len(tensor_sums([half, t])) == 2
+
+
+def test_the_published_value_holds_the_step_and_stays_exact_in_a_float():
+    for step, total in ((0, 0), (200, -1), (12_400, 2**63 - 1), (2**27 + 5, 123)):
+        value = encode(step, total)
+        assert value == int(value) and value < 2**53
+        assert step_of(value) == step % 2**27
+        assert int(value) & (2**FINGERPRINT_BITS - 1) == int(encode(0, total))
+    assert encode(200, 5) != encode(300, 5)   # the same bits at two steps are two checks
+
+
+def test_parts_cover_every_tensor_once_in_order():
+    assert parts(3) == [(0, 1), (1, 2), (2, 3)]
+    covered = [i for start, stop in parts(100) for i in range(start, stop)]
+    assert covered == list(range(100)) and len(parts(100)) == 8
+
+
+def test_a_model_without_replicas_has_no_check():
+    """A plain module (not DDP, no DTensor): nothing to compare, nothing to pay."""
+    assert find(torch.nn.Linear(4, 2)) == []
+
+
+def _check(tmp_path, params, every=10, device=None, drops=None):
+    metrics = RankMetrics(tmp_path, IDENTITY)
+    model = torch.nn.Module()
+    for i, p in enumerate(params):
+        model.register_parameter(f"w{i}", p)
+    replica_set = ReplicaSet("ddp", "0", "", 2, tuple(f"w{i}" for i in range(len(params))), tuple(params))
+    check = ReplicaCheck(model, [replica_set], every, metrics, device or RankDevice(lambda *a: None),
+                         lambda what, reason: (drops if drops is not None else []).append((what, reason)))
+    return check, metrics, model
+
+
+def _published(metrics) -> dict[tuple[str, str, str], float]:
+    family = metrics.family("rankscope_replica_fingerprint")
+    return {(s.labels["of"], s.labels["part"], s.labels["slot"]): s.value
+            for m in family.collect() for s in m.samples}
+
+
+def test_a_check_step_publishes_its_weights_and_gradients_once(tmp_path):
+    params = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
+    check, metrics, _ = _check(tmp_path, params)
+    check.step_ended(5)                  # not a check step
+    check.before_optimizer_step(-1)      # outside a step
+    check.publish()
+    assert _published(metrics) == {}
+    for p in params:
+        p.grad = torch.ones_like(p)
+    check.before_optimizer_step(10)
+    params[0].grad = None                # a second optimizer's step in the same step: not taken again
+    check.before_optimizer_step(10)
+    check.step_ended(10)
+    check.publish()
+    published = _published(metrics)
+    expected = tensor_sums([p.detach() for p in params]).tolist()
+    assert published[("weights", "all", "1")] == encode(10, sum(expected))
+    assert published[("weights", "0", "1")] == encode(10, expected[0])
+    assert published[("grads", "all", "1")] == encode(10, sum(tensor_sums([torch.ones(8, 4), torch.ones(4)]).tolist()))
+    check.step_ended(20)
+    check.publish()
+    assert step_of(_published(metrics)[("weights", "all", "0")]) == 20   # the other slot: both checks kept
+    assert step_of(_published(metrics)[("weights", "all", "1")]) == 10
+
+
+def test_parameters_reshaped_after_watch_skip_the_check_counted_never_a_wrong_value(tmp_path):
+    drops: list[tuple[str, str]] = []
+    params = [torch.nn.Parameter(torch.randn(8, 4))]
+    check, metrics, model = _check(tmp_path, params, drops=drops)
+    model.w0 = torch.nn.Parameter(torch.randn(16, 4))   # a new head, say
+    check.step_ended(10)
+    check.publish()
+    assert _published(metrics) == {}
+    assert [what for what, _ in drops] == ["replica_check"] and "reshaped" in drops[0][1]
+
+
+def test_on_cuda_the_fingerprint_is_read_later_never_waited_for(tmp_path):
+    """The sums stay on the device; a pinned copy behind an event, read by the publisher thread."""
+    with StrictCuda(rank_device=1) as cuda:
+        cuda.set_device(1)
+        device = RankDevice(lambda *a: None)
+        device.bind("cuda:1")
+        params = [torch.nn.Parameter(torch.randn(8, 4))]
+        check, metrics, _ = _check(tmp_path, params, device=device)
+        check.step_ended(10)
+        assert _published(metrics) == {}
+
+        def publish():
+            with device.on_device():
+                device.reads.deliver_arrays()
+            check.publish()
+
+        in_thread(publish, "rankscope-publisher")
+        assert _published(metrics)[("weights", "all", "1")] == encode(10, tensor_sums(params).sum().item())
+
+
+def test_a_negative_check_interval_is_refused_at_start_up():
+    from rankscope.config import ConfigError, MonitorConfig
+
+    with pytest.raises(ConfigError, match="replica_check_every"):
+        MonitorConfig(replica_check_every=-1)
