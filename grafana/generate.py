@@ -332,6 +332,16 @@ def run_overview() -> dash.Dashboard:
                "loss spike rank {{rank}}"),
          query(f"sum by (rank) (increase(rankscope_grad_norm_spikes_total{{{SEL}}}[{RATE}])) > 0",
                "grad-norm spike rank {{rank}}")], bars=True))
+    d = d.with_panel(ts(
+        "Replicas in agreement",
+        "Per process group of replicas (DDP's group; the replicate dimension of HSDP; a tensor-parallel group's "
+        "replicated parameters): the share of its ranks holding the group's most common fingerprint of the "
+        "replicated weights and reduced gradients, at the worse of its last two checks that every rank made "
+        "(every RANKSCOPE_REPLICA_CHECK_EVERY steps). 100% while the replicas hold the same bits; a rank below it "
+        "pages RankscopeReplicaDiverged. Empty for a job with nothing replicated (FSDP over one dimension).",
+        "percentunit",
+        [query(f"group:rankscope_replica_ranks:agreement_ratio{{{RUN_SEL}}}", "{{replicas}} group {{group}}")],
+        no_value="No replicas compared: nothing replicated in the watched model, or the check is off"))
 
     # Goodput and MFU (docs/goodput.md): where the ranks' wall time goes, and how
     # much of the device's peak the model's FLOPs reach.

@@ -17,6 +17,7 @@ the accumulation count).
 """
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -107,10 +108,15 @@ def main() -> int:
     result = trainer.train()
     rank = trainer.args.process_index
     params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    weights = hashlib.sha256(b"".join(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                                      for p in model.parameters())).hexdigest()
+    monitors = [c.monitor for c in trainer.callback_handler.callbacks if getattr(c, "monitor", None) is not None]
+    replica_checked = bool(monitors) and monitors[0].handoff.replica_check is not None
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "global_step": trainer.state.global_step, "train_runtime": result.metrics["train_runtime"],
         "own_loss": {str(k): v for k, v in sorted(trainer.own_loss.items())}, "param_bytes": params,
+        "weights_sha256": weights, "replica_checked": replica_checked,
         "nan_step": args.nan_step if rank == args.nan_rank else None}))
     return 0
 

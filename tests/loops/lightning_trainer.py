@@ -19,6 +19,7 @@ writes and validations took, timed around them.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -160,10 +161,15 @@ def main() -> int:
     trainer.fit(module, loader, val_dataloaders=val_loader)
     rank = trainer.global_rank
     params = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    weights = hashlib.sha256(b"".join(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                                      for p in module.parameters())).hexdigest()
+    monitors = [c.monitor for c in callbacks if getattr(c, "monitor", None) is not None]
+    replica_checked = bool(monitors) and monitors[0].handoff.replica_check is not None
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "global_step": trainer.global_step, "train_time": timer.time_elapsed("train"),
         "own_loss": {str(k): v for k, v in sorted(module.own_loss.items())}, "param_bytes": params,
+        "weights_sha256": weights, "replica_checked": replica_checked,
         "own_grad_norm": {str(k): v for k, v in sorted(module.own_grad_norm.items())},
         "checkpoint_write_s": checkpoint_io.seconds, "validation_s": module.validation_s,
         "validations": module.validations}))

@@ -132,3 +132,34 @@ def test_a_negative_check_interval_is_refused_at_start_up():
 
     with pytest.raises(ConfigError, match="replica_check_every"):
         MonitorConfig(replica_check_every=-1)
+
+
+def _fingerprints(run: str, values: dict[int, list[tuple[int, int]]], size: int) -> list:
+    """Exporter samples: rank -> [(step, fingerprint), ...] (one per slot), and each rank's group size."""
+    from rankscope.console.sources import Series
+
+    out = []
+    for rank, checks in values.items():
+        base = {"run": run, "rank": str(rank), "replicas": "ddp", "group": "0", "shard": ""}
+        out.append(Series("rankscope_replica_group_size", base, size))
+        for slot, (step, fp) in enumerate(checks):
+            out.append(Series("rankscope_replica_fingerprint",
+                              {**base, "of": "weights", "part": "all", "slot": str(slot)}, encode(step, fp)))
+    return out
+
+
+def test_the_console_judges_replicas_as_the_rules_do():
+    """`rankscope top` and the report: the odd rank named once a majority holds another fingerprint;
+    a check half the group has made is not judged (the older one is); two replicas split: both, a tie."""
+    from rankscope.console.replicas import replica_groups
+
+    odd = _fingerprints("r", {0: [(20, 5), (10, 1)], 1: [(20, 5), (10, 1)], 2: [(20, 6), (10, 1)],
+                              3: [(20, 5), (10, 1)]}, 4)
+    (group,) = replica_groups(odd, "r")
+    assert (group.step, group.differing, group.agreeing, group.tie) == (20, [2], 3, False)
+    assert group.line() == "ddp group 0: rank 2 differs at step 20 (3/4 agree)"
+    early = _fingerprints("r", {0: [(10, 1)], 1: [(10, 1)], 2: [(20, 6), (10, 1)], 3: [(20, 5), (10, 1)]}, 4)
+    assert replica_groups(early, "r")[0].line() == "ddp group 0: 4/4 agree at step 10"
+    split = _fingerprints("r", {0: [(20, 5)], 1: [(20, 6)]}, 2)
+    (group,) = replica_groups(split, "r")
+    assert group.tie and group.differing == [0, 1] and "no majority" in group.line()

@@ -501,6 +501,28 @@ def evidence_captured(d: RunData) -> list[dict[str, Any]]:
     return evidence.summarize(evidence.captures(named, d.run))
 
 
+def replicas(d: RunData) -> list[str]:
+    """One line per replica group compared in the window (rankscope.replicas): the ranks that left
+    it and from which check step, or that its replicas agreed at every check judged."""
+    w = d.window
+    lines = []
+    groups = d.total(f"min by (replicas, group) (min_over_time(group:rankscope_replica_ranks:agreement_ratio"
+                     f"{{{d.sel}}}[{w}]))")
+    differed = d.total(f"min by (replicas, group, rank) (min_over_time("
+                       f"rank_check:rankscope_replica_fingerprint:differs_at_step{{{d.sel}}}[{w}]))")
+    for g in sorted(groups, key=lambda s: (s.labels.get("replicas", ""), s.labels.get("group", ""))):
+        key = (g.labels.get("replicas"), g.labels.get("group"))
+        odd = sorted((s for s in differed if (s.labels.get("replicas"), s.labels.get("group")) == key),
+                     key=lambda s: _rank_key(s.labels))
+        where = f"{key[0]} group {key[1]}"
+        if odd:
+            lines.append(f"{where}: " + ", ".join(f"rank {s.labels.get('rank')} differed from step {s.value:.0f}"
+                                                 for s in odd))
+        else:
+            lines.append(f"{where}: every judged check agreed (lowest agreement {g.value:.0%})")
+    return lines
+
+
 def summary(d: RunData, ranking: list[dict[str, Any]]) -> dict[str, Any]:
     w = d.window
     ranks = d.total(f"count by (rank, node) (last_over_time(rankscope_steps_total{{{d.sel}}}[{w}]))")
@@ -529,6 +551,7 @@ def summary(d: RunData, ranking: list[dict[str, Any]]) -> dict[str, Any]:
         "goodput": goodput[0].value if goodput else None,
         "final_states": {r: states[r] for r in sorted(states, key=int)},
         "slowest_rank": ranking[0]["rank"] if ranking else None,
+        "replicas": replicas(d),
         "scrape_interval_s": d.scrape_s, "resolution_s": d.step, "rate_window": d.rate_window,
     }
 
@@ -566,6 +589,7 @@ def render_html(facts: dict[str, Any], plots: list[Plot]) -> str:
         ("goodput", "-" if s["goodput"] is None else f"{s['goodput']:.3g}"),
         ("slowest rank (compute)", "-" if s["slowest_rank"] is None else f"rank {s['slowest_rank']}"),
         ("final states", ", ".join(f"rank {r}: {st}" for r, st in s["final_states"].items()) or "-"),
+        ("replicas", "; ".join(s["replicas"]) or "none compared (nothing replicated, or the check off)"),
         ("alerts fired", str(len(facts["alerts"]))),
     ]
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>rankscope report: {e(s['run'])}"

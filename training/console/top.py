@@ -283,6 +283,10 @@ def render(view: RunView | None, screen: Screen, *, color: bool, live: bool) -> 
         states.append("   hang suspect: ")
         states.append(", ".join(f"rank {r}" for r in view.suspects), style="bold red" if color else "")
     parts.append(states)
+    for group in view.replicas:
+        line = Text("replicas: ")
+        line.append(group.line(), style=("bold red" if group.differing else "green") if color else "")
+        parts.append(line)
 
     alerts = Text("alerts firing: ")
     if view.alerts is None:

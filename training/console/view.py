@@ -17,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from rankscope.console.replicas import ReplicaGroup, replica_groups
 from rankscope.console.sources import Series, SourceError
 from rankscope.contract.catalog import PHASES
 from rankscope.exporter.catalog import LIVE_STATES, RANK_STATES
@@ -76,6 +77,7 @@ class RunView:
     alerts: list[Alert] | None = None      # None: the source has no alerts (exporters)
     source_errors: list[str] = field(default_factory=list)   # exporters that did not answer this time
     evidence: list[dict] = field(default_factory=list)       # console.evidence.summarize() of the suspects
+    replicas: list[ReplicaGroup] = field(default_factory=list)   # replica groups and their latest judged check
 
     def state_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -283,4 +285,5 @@ def build_view(run: str, now: list[Series], *, source: str, baseline: list[Serie
                          for a in alerts), key=lambda a: (a.severity != "critical", a.name, a.rank))
     return RunView(run=run, source=source, rows=rows, runs=runs_in(now), taken_at=taken_at,
                    window_s=window_s if baseline is not None else None,
-                   steps_per_s=(sum(rates) / len(rates)) if rates else None, leader_step=leader, alerts=firing)
+                   steps_per_s=(sum(rates) / len(rates)) if rates else None, leader_step=leader, alerts=firing,
+                   replicas=replica_groups(now, run))
