@@ -143,15 +143,41 @@ def worker(args: argparse.Namespace) -> int:
     background = [t for t in threading.enumerate() if t is not threading.main_thread()]
     bg_cpu = threads_cpu_seconds(background) - cpu0
     dist.barrier()
+    replica_check = _replica_check_cost(monitor, models[1], opts[1], batch)
     reader = monitor.process_groups
     monitor.close()
     gil = {"longest_slice_ms": 1000 * reader.longest_slice_s, "longest_slice_cpu_ms": 1000 * reader.longest_slice_cpu_s,
            "entries_read": reader.entries_read} if reader else {}
     result = {"rank": rank, "times": dict(zip(variants, times)), "process_group_reader": gil, "wall_s": wall, "background_cpu_s": bg_cpu,
-              "background_threads": sorted({t.name for t in background}), "traced": monitor.tracing.enabled}
+              "background_threads": sorted({t.name for t in background}), "traced": monitor.tracing.enabled,
+              "replica_check": replica_check}
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
     return 0
+
+
+def _replica_check_cost(monitor, model, opt, batch, checks: int = 200) -> dict:
+    """The replica check's own work, timed alone on the training thread: ``checks`` checks of the
+    watched model (its weights, and its gradients from one backward), each taken and published.
+    Inside the paired figures it runs every K-th step of ``full``; this is its cost per check."""
+    import time
+
+    import torch
+
+    check = monitor.handoff.replica_check
+    if check is None:
+        return {}
+    torch.nn.functional.mse_loss(model(batch[0]), batch[1]).backward()
+    t0 = time.perf_counter()
+    for i in range(1, checks + 1):
+        check.before_optimizer_step(i * check.every)
+        check.step_ended(i * check.every)
+        check.publish()
+    per_check = (time.perf_counter() - t0) / checks
+    opt.zero_grad(set_to_none=True)
+    tensors = sum(len(s.parameters) for s in check._sets)
+    return {"per_check_s": per_check, "every": check.every, "tensors": tensors,
+            "bytes": sum(p.numel() * p.element_size() for s in check._sets for p in s.parameters)}
 
 
 # -- launcher ------------------------------------------------------------------------------
@@ -301,6 +327,16 @@ def _report(args, ranks, scraper, exporter_cpu, elapsed, spans, load_before) -> 
          f"{ranks[0]['process_group_reader'].get('longest_slice_cpu_ms', float('nan')):.3f}"],
         ["load average before / after", f"{load_before} / {loadavg()}"],
     ]))
+    check = ranks[0].get("replica_check") or {}
+    if check:   # the replica check (rankscope.replicas), inside full's steps every K-th step
+        step = figures["ranks"]["0"]["full_vs_bare"]["bare_mean_ms"] / 1000
+        share = check["per_check_s"] / check["every"] / step
+        print(f"\nreplica check: {1e6 * check['per_check_s']:.0f} us per check (weights and gradients of "
+              f"{check['tensors']} tensors, {check['bytes'] / 2**20:.1f} MiB, taken and published), every "
+              f"{check['every']} steps: {100 * share:.4f}% of a {1000 * step:.1f} ms step (target <= 0.1%: "
+              f"{'met' if share <= 0.001 else 'MISSED'})")
+        figures.update(replica_check_per_check_s=check["per_check_s"], replica_check_every=check["every"],
+                       replica_check_share_of_step=share)
     full0, full1 = figures["ranks"]["0"]["full_vs_bare"], figures["ranks"]["1"]["full_vs_bare"]
     worst_hi = max(full0["ci_frac"][1], full1["ci_frac"][1])
     print(f"\nfull vs bare, upper 95% bound (worst rank): {100 * worst_hi:+.2f}% (target <= 1%: "

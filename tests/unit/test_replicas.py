@@ -20,18 +20,26 @@ IDENTITY = {"run": "replicas", "rank": "0", "local_rank": "0", "node": "n"}
 
 def test_the_fingerprint_is_the_same_in_any_order_and_moves_with_one_bit():
     """A float sum's last bits depend on the order of its additions; an integer sum of the bits
-    does not. One flipped bit anywhere (a low mantissa bit, the sign, the exponent) moves it."""
+    does not: the halves' sums, added in either order, give the whole's (wrapping in int64), on the
+    64-bit-word path (contiguous) and the per-element one (a strided view). One flipped bit anywhere
+    (a low mantissa bit, the exponent, the sign) moves it."""
     torch.manual_seed(0)
     t = torch.randn(10_000)
-    shuffled = t[torch.randperm(len(t))]
-    assert tensor_sums([t]).tolist() == tensor_sums([shuffled]).tolist()
-    assert t.sum().item() != shuffled.sum().item() or t.double().sum() != shuffled.double().sum()  # floats may not
-    for bit in (0, 12, 23, 30, 31):
-        flipped = t.clone()
-        flipped.view(torch.int32)[1234] ^= 1 << bit
-        assert encode(7, tensor_sums([flipped]).sum().item()) != encode(7, tensor_sums([t]).sum().item()), bit
-    half = torch.randn(64, dtype=torch.bfloat16)
+    halves = tensor_sums([t[5_000:], t[:5_000]]).tolist()
+    assert tensor_sums([t]).item() == _wrap(sum(halves))
+    strided = t[::2]
+    assert tensor_sums([strided]).item() == _wrap(sum(tensor_sums([strided[2_500:], strided[:2_500]]).tolist()))
+    for view in (t, strided):
+        for bit in (0, 12, 23, 30, 31):
+            flipped = view.clone()
+            flipped.view(torch.int32)[1234] ^= 1 << bit
+            assert encode(7, tensor_sums([flipped]).item()) != encode(7, tensor_sums([view]).item()), bit
+    half = torch.randn(63, dtype=torch.bfloat16)   # 126 bytes: not whole words, the per-element path
     assert tensor_sums([half, t]).dtype == torch.int64 and len(tensor_sums([half, t])) == 2
+
+
+def _wrap(n: int) -> int:
+    return (n + 2**63) % 2**64 - 2**63
 
 
 def test_the_published_value_holds_the_step_and_stays_exact_in_a_float():
