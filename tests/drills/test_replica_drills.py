@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.drills.test_alert_drills import PAGE_TIMEOUT, START_TIMEOUT, Stack, _describe, _watched_job, fast_rules  # noqa: F401
+from tests.drills.test_alert_drills import (PAGE_TIMEOUT, START_TIMEOUT, Stack, _describe, _watched_job,  # noqa: F401
+                                            fast_rules)
 from tests.helpers.jobs import TrainJob
 from tests.helpers.promstack import Delivery, firing_alerts, poll
 

@@ -182,9 +182,10 @@ def test_variables_scope_every_query(name):
     assert ds["current"]["value"] == generate.PROMETHEUS_UID
     for title, expr in panel_exprs(d):
         assert "$run" in expr, f"{title}: not scoped to the run: {expr}"
-        # Alerts and run- or stage-level recording rules (run:..., run_phase:..., stage:...) have no node/rank.
+        # Alerts and run-, stage- or group-level recording rules (run:..., run_phase:..., stage:...,
+        # group:...) have no node/rank.
         per_rank = {m for m in metric_names(expr) - PROMETHEUS_BUILTINS
-                    if not m.startswith(("run:", "run_", "stage:"))}
+                    if not m.startswith(("run:", "run_", "stage:", "group:"))}
         if per_rank:
             assert "$rank" in expr and "$node" in expr, f"{title}: not scoped to node/rank: {expr}"
 

@@ -59,7 +59,8 @@ def _bits_sum(t: Any) -> Any:
     """The tensor's bytes as 64-bit words, summed (a contiguous tensor of whole, aligned words: a
     plain int64 sum, as fast as a float sum); else each element's bits, summed in int64 (a cast
     per element, ten times slower). Replicas share their layout, so they take the same path."""
-    if t.is_contiguous() and (t.numel() * t.element_size()) % 8 == 0 and (t.storage_offset() * t.element_size()) % 8 == 0:
+    whole_words = (t.numel() * t.element_size()) % 8 == 0 and (t.storage_offset() * t.element_size()) % 8 == 0
+    if t.is_contiguous() and whole_words:
         try:
             return t.reshape(-1).view(torch.uint8).view(torch.int64).sum()
         except RuntimeError:   # a layout view() refuses: the per-element path

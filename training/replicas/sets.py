@@ -76,8 +76,9 @@ def find(model: Any) -> list[ReplicaSet]:
 
 
 def _named_parameters(model: Any) -> list[tuple[str, Any]]:
-    module = getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
-    return list(module.named_parameters())
+    from rankscope.collectives.comm_timing import is_ddp
+
+    return list((model.module if is_ddp(model) else model).named_parameters())
 
 
 def _summable(p: Any) -> bool:

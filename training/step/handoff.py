@@ -93,6 +93,9 @@ class StepHandoff:
 
     def __init__(self, device: RankDevice, errors: TelemetryErrors, trace_feed: TraceFeed):
         self._device = device
+        # A host without CUDA never sees a CUDA value: its steps skip looking for one (a few
+        # attribute reads per value, cache-cold right after the step's tensor work).
+        self._cuda_possible = device.api.available()
         self._errors = errors
         self._trace_feed = trace_feed
         # Taken by the publisher, oldest first: IntervalEnded records, and finished steps as plain
@@ -119,7 +122,7 @@ class StepHandoff:
             if comm.mode != "off":
                 exposed = self._exposed_wait(comm, s)
                 comm.step_ended()
-            if self._device.events is not None or (
+            if self._device.events is not None or self._cuda_possible and (
                     (loss is not None and type(loss) is not float or grad is not None and type(grad) is not float
                      or lr is not None and type(lr) is not float) and self._binds_device(loss, grad, lr)):
                 on_device = True
