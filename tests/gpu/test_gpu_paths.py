@@ -3,7 +3,8 @@
 8. Two ranks on the one GPU over gloo with CUDA tensors (tests/loops/same_weights.py
    --device cuda): the comm hook's arithmetic on the device (a group of 2) against bare
    DDP, bit for bit, also with ``gradient_as_bucket_view=True`` and with torch's
-   ``fp16_compress_hook`` registered after ``watch()``; every bucket timed by CUDA events.
+   ``fp16_compress_hook`` registered after ``watch()``; every bucket timed by CUDA events; the
+   replica check's fingerprints summed on the device every step and read without a sync.
 9. Lightning (``prog_bar=True`` values and a logged grad norm) and Hugging Face's
    Trainer on the GPU, under sync-debug mode: every synchronising call is attributed to
    the code that made it (the nearest caller outside torch and the frameworks,
@@ -88,6 +89,7 @@ def test_two_ranks_on_the_gpu_over_gloo_train_to_the_same_weights(tmp_path):
     scenarios = ("world", "view_world", "fp16_after")
     env = {**os.environ, "RANKSCOPE_EXPORTER": "off", "RANKSCOPE_METRICS_DIR": str(tmp_path / "metrics"),
            "RANKSCOPE_RUN": "gpu-same-weights", "LOOP_OUT": str(tmp_path / "out"), "RANKSCOPE_COMM_TIMING": "hook",
+           "RANKSCOPE_REPLICA_CHECK_EVERY": "1",   # the replica check's sums on the device, every step
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(REPO / "tests/loops/same_weights.py"), *scenarios, "--steps", "5", "--device", "cuda"],
@@ -101,6 +103,7 @@ def test_two_ranks_on_the_gpu_over_gloo_train_to_the_same_weights(tmp_path):
         for rank, r in by_rank.items():
             assert r["equal_grads"] and r["equal_weights"] and r["max_diff"] == 0.0, (scenario, rank, r)
             assert r["strategy"] == "hook" and r["timed_all_reduces"] >= r["steps"], (scenario, rank, r)
+            assert r["replica_fingerprints"] == ["weights"], (scenario, rank, r)   # read from the device, no sync
 
 
 # -- 9. the adapters on the GPU: no sync of rankscope's -----------------------------------------

@@ -61,6 +61,8 @@ def test_a_watched_job_trains_to_the_same_weights_bit_for_bit(results, scenario)
 def test_the_replica_check_ran_on_every_step_of_what_the_layout_replicates(results, scenario):
     for rank, r in results[scenario].items():
         assert [s["replicas"] for s in r["replica_sets"]] == REPLICAS[scenario], (rank, r)
+        # published: the weights after each step (the loop steps its optimizers outside monitor.step())
+        assert r["replica_fingerprints"] == (["weights"] if REPLICAS[scenario] else []), (rank, r)
 
 
 @pytest.mark.parametrize("scenario", ["subgroup", "odd_group", "mesh_dim", "hook_after", "fp16_after", "view_pair",

@@ -157,8 +157,11 @@ def run(scenario: str, steps: int, rank: int) -> dict:
         monitor.publisher.flush()
         timed = sum(b.get() for b in monitor.metrics.collective("all_reduce").duration._buckets)
         check = monitor.handoff.replica_check
+        published = [x for m in monitor.metrics.family("rankscope_replica_fingerprint").collect()
+                     for x in m.samples if x.labels["part"] == "all"]
         return {"equal_grads": equal_grads, "timed_all_reduces": timed,
                 "replica_sets": [] if check is None else [s.labels for s in check._sets],
+                "replica_fingerprints": sorted({x.labels["of"] for x in published}),
                 "equal_weights": all(torch.equal(a, b) for a, b in pairs),
                 "max_diff": max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in pairs),
                 "strategy": monitor.comm.mode, "steps": steps}

@@ -113,6 +113,10 @@ def test_parameters_reshaped_after_watch_skip_the_check_counted_never_a_wrong_va
     check.publish()
     assert _published(metrics) == {}
     assert [what for what, _ in drops] == ["replica_check"] and "reshaped" in drops[0][1]
+    model.register_parameter("added", torch.nn.Parameter(torch.randn(3)))   # a parameter added mid-run
+    check.step_ended(20)
+    check.publish()
+    assert _published(metrics) == {} and len(drops) == 2
 
 
 def test_on_cuda_the_fingerprint_is_read_later_never_waited_for(tmp_path):
