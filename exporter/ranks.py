@@ -84,8 +84,13 @@ def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> Non
             v.state = "frozen"
         elif v.block_since:
             v.state = "busy"   # its own checkpoint or evaluation: no step is due
-        elif stalled > v.stuck_after(cfg) and (v.in_flight or v.last_step):
+        elif v.last_step and stalled > v.stuck_after(cfg):
             v.state = "stuck_in_collective" if v.in_flight else "stuck"
+        elif not v.last_step and v.in_flight and now - min(v.in_flight.values()) > cfg.stuck_after_s:
+            # Before its first step, by how long it has waited in the collective, not since its
+            # start: a first step of minutes passes through its backward's all-reduce (in flight
+            # for a moment) long after the start, and is not stuck there.
+            v.state = "stuck_in_collective"
         elif not v.last_step:
             # Before its first step the rank's pace is unknown (a first step of minutes, a
             # compilation): outside a collective it is starting, and stuck only as the suspect

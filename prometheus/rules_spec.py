@@ -533,12 +533,14 @@ GOODPUT_CAUSES = STALL_CAUSES + "|stalled|input_bound"
 # every rank of a tied camp is named, and the page says the majority cannot tell. Ranks a
 # check apart compare at the check they share; a rank alone at its step is compared with
 # nobody. Every series the comparison reads comes from one scrape of one rank's file: a
-# rank's step and fingerprint cannot be torn apart, so it pages at `for: 0s`.
+# rank's step and fingerprint cannot be torn apart, so it pages at `for: 0s`. The join of a rank's
+# step to its fingerprint matches on every identity label: a rank claimed twice (two nodes; see
+# DuplicateRank) must not break the rule for every run (a many-to-many match is an error).
 REPLICA_STEP_UNIT = str(1 << 26)   # rankscope.replicas.check: value = step x 2^26 + fingerprint
 REPLICA_TOTALS = "rankscope_replica_fingerprint{SEL,part=\"all\"}"
 REPLICA_CHECKS_RECORD = "rank_check:rankscope_replica_fingerprint:labelled"
 REPLICA_CHECKS = ("count_values without () (\"fingerprint\", " + REPLICA_TOTALS + ")\n"
-                  "* on (run, rank, replicas, group, of, slot) group_left (check_step)\n"
+                  "* on (job, instance, run, rank, node, replicas, group, of, slot) group_left (check_step)\n"
                   "count_values without () (\"check_step\", floor(" + REPLICA_TOTALS + " / " + REPLICA_STEP_UNIT
                   + "))")
 REPLICA_CHECK = "run, replicas, group, of, check_step"   # one check of one group

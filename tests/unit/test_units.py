@@ -270,6 +270,11 @@ def test_long_steps_are_not_hangs_but_a_hang_in_them_is_found_within_three_steps
                                                                   in_flight={"broadcast": now - 35})]
     derive_states(compiling, cfg, now)
     assert [v.state for v in compiling] == ["starting", "stuck_in_collective"] and not compiling[0].suspect
+    # A first step of 45 s reaches its backward's all-reduce (in flight for a moment) 45 s after the
+    # start: not stuck (the fault matrix's long-steps job read so once in ~700 polls).
+    backward = [_view(9, heartbeat=now, started=now - 46, in_flight={"all_reduce": now - 0.01})]
+    derive_states(backward, cfg, now)
+    assert backward[0].state == "starting" and not backward[0].suspect
     at_start = [_view(7, heartbeat=now, started=now - 140), _view(8, heartbeat=now, started=now - 140,
                                                                   in_flight={"broadcast": now - 125})]
     derive_states(at_start, cfg, now)
