@@ -812,11 +812,11 @@ ALERTS: tuple[Alert, ...] = (
           "critical",
           "Replica diverged in run {{ $labels.run }}: rank {{ $labels.rank }} ({{ $labels.replicas }} group "
           "{{ $labels.group }}{{ if $labels.shard }}, shard {{ $labels.shard }}{{ end }})",
-          "In " + WHO + ", the weights it holds as a {{ $labels.replicas }} replica (process group "
-          "{{ $labels.group }}{{ if $labels.shard }}, shard {{ $labels.shard }}{{ end }}) are no longer the same "
-          "bits as its replicas' at step {{ $value | printf \"%.0f\" }}." + REPLICA_VERDICT + REPLICA_SINCE
-          + REPLICA_GRADS + REPLICA_FIRST_PART + " Checkpoints it writes from there are suspect; the runbook "
-          "says what each cause looks like."),
+          "In " + WHO + ", what it holds as a {{ $labels.replicas }} replica (process group "
+          "{{ $labels.group }}{{ if $labels.shard }}, shard {{ $labels.shard }}{{ end }}) is no longer the same "
+          "bits as its replicas' (its weights, or its reduced gradients) at step {{ $value | printf \"%.0f\" }}."
+          + REPLICA_VERDICT + REPLICA_SINCE + REPLICA_GRADS + REPLICA_FIRST_PART
+          + " Checkpoints it writes from there are suspect; the runbook says what each cause looks like."),
     Alert("RankscopeNonFiniteLoss",
           new_events("rankscope_nonfinite_total{SEL}", "<<event_window>>"),
           "critical",
