@@ -19,14 +19,15 @@ evaluation reports accuracy as a custom metric. gloo on CPU, NCCL on GPU.
 Fault injection (each targets ``--fault-rank``, default the last rank) makes
 the pathologies rankscope must catch happen for real: a NaN loss, a loss
 spike, an out-of-memory error, a crash, a hang before a collective, a slow
-rank, a slow data pipeline.
+rank, a slow data pipeline, and replicas that leave each other: a flipped bit in
+one rank's weights, a step under ``no_sync()`` on one rank, a rank starting from
+weights of its own.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-from typing import Any
 import datetime
 import json
 import os
@@ -35,6 +36,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--print-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parallelism", choices=PARALLELISMS, default="ddp",
-                   help="ddp (default), fsdp2 (fully_shard), hsdp (fully_shard over 2 replicas x half the world), or 2d (data parallel x tensor parallel mesh)")
+                   help="ddp (default), fsdp2 (fully_shard), hsdp (fully_shard over 2 replicas x half the world), "
+                        "or 2d (data parallel x tensor parallel mesh)")
     p.add_argument("--tp-size", type=int, default=2, help="2d: ranks per tensor-parallel group (default 2)")
     p.add_argument("--stages", type=int, default=2, help="pipeline: pipeline stages (default 2)")
     p.add_argument("--micro-batches", type=int, default=2, help="pipeline: micro-batches per step (default 2)")
@@ -215,16 +218,12 @@ def parallelize(args: argparse.Namespace, monitor: Monitor, device: torch.device
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if args.parallelism == "fsdp2":
-        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        return monitor.watch(fully_shard(model, mesh=mesh)), rank, world
-    if args.parallelism == "hsdp":   # 2 replicas, each sharded over half the world
-        if world % 2:
+    if args.parallelism in ("fsdp2", "hsdp"):   # hsdp: 2 replicas, each sharded over half the world
+        if args.parallelism == "hsdp" and world % 2:
             raise SystemExit(f"rankscope-train: --parallelism hsdp needs an even world size, not {world}")
-        mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        shape, names = (((world,), ("dp_shard",)) if args.parallelism == "fsdp2"
+                        else ((2, world // 2), ("dp_replicate", "dp_shard")))
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
