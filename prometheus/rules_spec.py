@@ -536,7 +536,7 @@ GOODPUT_CAUSES = STALL_CAUSES + "|stalled|input_bound"
 # rank's step and fingerprint cannot be torn apart, so it pages at `for: 0s`. The join of a rank's
 # step to its fingerprint matches on every identity label: a rank claimed twice (two nodes; see
 # DuplicateRank) must not break the rule for every run (a many-to-many match is an error).
-REPLICA_STEP_UNIT = str(1 << 26)   # rankscope.replicas.check: value = step x 2^26 + fingerprint
+REPLICA_STEP_UNIT = str(1 << 26)   # rankscope.contract.replicas.STEP_UNIT: value = step x 2^26 + fingerprint
 REPLICA_TOTALS = "rankscope_replica_fingerprint{SEL,part=\"all\"}"
 REPLICA_CHECKS_RECORD = "rank_check:rankscope_replica_fingerprint:labelled"
 REPLICA_CHECKS = ("count_values without () (\"fingerprint\", " + REPLICA_TOTALS + ")\n"

@@ -11,7 +11,8 @@ import torch
 from rankscope.device.rank_device import RankDevice
 from rankscope.errors import TelemetryErrors
 from rankscope.publishing.metrics import RankMetrics
-from rankscope.replicas.check import FINGERPRINT_BITS, ReplicaCheck, encode, parts, step_of, tensor_sums
+from rankscope.contract.replicas import FINGERPRINT_BITS, encode, step_of
+from rankscope.replicas.check import ReplicaCheck, parts, tensor_sums
 from rankscope.replicas.sets import ReplicaSet, find
 from tests.helpers.strict_cuda import StrictCuda, in_thread
 
@@ -49,6 +50,13 @@ def test_the_published_value_holds_the_step_and_stays_exact_in_a_float():
         assert step_of(value) == step % 2**27
         assert int(value) & (2**FINGERPRINT_BITS - 1) == int(encode(0, total))
     assert encode(200, 5) != encode(300, 5)   # the same bits at two steps are two checks
+
+
+def test_the_rules_read_the_value_as_the_rank_writes_it():
+    from prometheus.rules_spec import REPLICA_STEP_UNIT
+    from rankscope.contract.replicas import STEP_UNIT
+
+    assert int(REPLICA_STEP_UNIT) == STEP_UNIT
 
 
 def test_parts_cover_every_tensor_once_in_order():

@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from rankscope.replicas.check import step_of
+from rankscope.contract.replicas import step_of
 
 
 @dataclass

@@ -4,7 +4,9 @@
 * ``rundir``: the node's metrics directory, the per-run directory layout and
   the rank registration file the exporter reads to tell live from dead;
 * ``environment``: the ``RANKSCOPE_*`` settings reader, shared defaults
-  (port, address) and the node name.
+  (port, address) and the node name;
+* ``replicas``: the value a rank publishes for a replica check, as the rules and the
+  console read it back.
 
 The exporter imports only this package from the rank side
 (``tests/integration/test_package.py`` enforces it), so the two can change independently

@@ -9,8 +9,8 @@ flipped bit changes it by a power of two. It is computed on the tensors' device,
 step's optimizer step (weights) and just before it (gradients, once reduced), and read like a
 loss: copied to pinned memory behind an event the publisher polls, never waited for.
 
-Each fingerprint is published as one float: ``(step mod 2**27) * 2**26 + fold``, the 64-bit
-sum folded to 26 bits. One value holds the step and the fingerprint together, so a scrape
+Each fingerprint is published as one float (``rankscope.contract.replicas``):
+``(step mod 2**27) * 2**26 + fold``, the 64-bit sum folded to 26 bits. One value holds the step and the fingerprint together, so a scrape
 can never pair one check's step with another's fingerprint, and two ranks agree on a check
 exactly when their values are equal. Two slots (by check number: ``step // K % 2``) keep
 each rank's last two checks, so ranks a check apart still share one. The weights are
@@ -26,27 +26,13 @@ from typing import Any, Callable
 
 import torch
 
+from rankscope.contract.replicas import encode
 from rankscope.replicas.sets import BITS_OF_SIZE, ReplicaSet, find, local, signature
 
 log = logging.getLogger("rankscope")
 
-FINGERPRINT_BITS = 26
-STEP_BITS = 27                  # 2**27 steps; 26 + 27 bits stay exact in a float64
 PARTS = 8                       # weight fingerprints per set besides the total
 MAX_READY = 64                  # checks waiting for the publisher, at most
-_FOLD_MASK = (1 << FINGERPRINT_BITS) - 1
-
-
-def encode(step: int, total: int) -> float:
-    """One published value: the check's step and the 64-bit sum folded to 26 bits."""
-    x = total & 0xFFFF_FFFF_FFFF_FFFF
-    folded = (x ^ (x >> FINGERPRINT_BITS) ^ (x >> 2 * FINGERPRINT_BITS)) & _FOLD_MASK
-    return float(((step % (1 << STEP_BITS)) << FINGERPRINT_BITS) | folded)
-
-
-def step_of(value: float) -> int:
-    """The (wrapped) step of a published value."""
-    return int(value) >> FINGERPRINT_BITS
 
 
 def tensor_sums(tensors: list[Any]) -> Any:
