@@ -56,6 +56,8 @@ SIMULATOR_HAS_NO = {
     ("rankscope-memory-devices", "GPU throttling"): "no simulated GPU throttles (the panel shows reasons > 0)",
     ("rankscope-ranks", "Compute time per step per stage"): "the simulated jobs are data-parallel: no pipeline stages",
     ("rankscope-ranks", "Stages against each other"): "the simulated jobs are data-parallel: no pipeline stages",
+    ("rankscope-run-overview", "Replicas in agreement"):
+        "the simulator's recorded page predates the replica check: no rank publishes a fingerprint",
 }
 # Queries (panel, refId) of panels that otherwise have data.
 SIMULATOR_HAS_NO_QUERY = {
