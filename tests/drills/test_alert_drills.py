@@ -153,6 +153,29 @@ def _watched_job(stack: Stack, job) -> PrometheusServer:
     return prom
 
 
+def watch_healthy_to_its_end(stack: Stack, job, result, nproc: int = NPROC,
+                             measure: Callable[[PrometheusServer], None] = lambda prom: None) -> None:
+    """A healthy job under Prometheus to its end, and a few evaluations (1 s each) after Prometheus
+    has scraped its finished ranks, so end-of-run transitions are judged too; then what Prometheus
+    holds and Alertmanager delivered go into ``result`` (``measure`` reads more first)."""
+    prom = _watched_job(stack, job)
+    try:
+        returncode = job.wait(timeout=START_TIMEOUT + 60)
+        assert returncode == 0, f"the healthy job failed (rc {returncode}):\n{job.log()[-2000:]}"
+        poll(lambda: len(prom.query(f'rankscope_rank_state{{run="{result.run}",state="finished"}} == 1'))
+             == nproc, timeout=30, what="finished ranks scraped")
+        observe_until = time.monotonic() + 5
+        while time.monotonic() < observe_until:
+            if [a for a in prom.alerts() if a["state"] == "firing"] or stack.hook.snapshot():
+                break
+            time.sleep(0.5)
+        measure(prom)
+        result.prometheus_alerts = prom.alerts()
+        result.deliveries = stack.hook.snapshot()
+    finally:
+        prom.__exit__(None, None, None)
+
+
 def run_fault_drill(drill: Drill, rules_dir: Path) -> DrillResult:
     run_id = f"drill-{drill.name}"
     result = DrillResult(drill.name, run_id)
@@ -204,25 +227,7 @@ def run_healthy_drill(rules_dir: Path) -> DrillResult:
     try:
         with Stack(rules_dir) as stack, \
                 TrainJob(nproc=NPROC, steps=STEPS, run_id=run_id, extra_args=["--step-delay", STEP_DELAY]) as job:
-            prom = _watched_job(stack, job)
-            try:
-                returncode = job.wait(timeout=START_TIMEOUT + 60)
-                assert returncode == 0, f"the healthy job failed (rc {returncode}):\n{job.log()[-2000:]}"
-                # Until Prometheus has scraped the finished ranks, then a few more
-                # evaluations (1 s each) so end-of-run transitions are judged too.
-                poll(lambda: len(prom.query(
-                    f'rankscope_rank_state{{run="{run_id}",state="finished"}} == 1')) == NPROC,
-                    timeout=30, what="finished ranks scraped")
-                observe_until = time.monotonic() + 5
-                while time.monotonic() < observe_until:
-                    firing = [a for a in prom.alerts() if a["state"] == "firing"]
-                    if firing or stack.hook.snapshot():
-                        break
-                    time.sleep(0.5)
-                result.prometheus_alerts = prom.alerts()
-                result.deliveries = stack.hook.snapshot()
-            finally:
-                prom.__exit__(None, None, None)
+            watch_healthy_to_its_end(stack, job, result)
     except Exception:  # noqa: BLE001
         result.error = traceback.format_exc()
     return result

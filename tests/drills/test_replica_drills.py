@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from tests.drills.test_alert_drills import (PAGE_TIMEOUT, START_TIMEOUT, Stack, _describe, _watched_job,  # noqa: F401
-                                            fast_rules)
+                                            fast_rules, watch_healthy_to_its_end)
 from tests.helpers.jobs import TrainJob
-from tests.helpers.promstack import Delivery, firing_alerts, poll
+from tests.helpers.promstack import Delivery, firing_alerts
 
 NPROC = 4
 STEPS = 400
@@ -119,18 +119,10 @@ def run_healthy(parallelism: str, rules_dir) -> ReplicaResult:
                 TrainJob(nproc=NPROC, steps=240, run_id=run_id, env={"RANKSCOPE_REPLICA_CHECK_EVERY": "10"},
                          extra_args=["--step-delay", STEP_DELAY, "--workers", "0", "--parallelism", parallelism,
                                      "--dropout", "0.1"]) as job:
-            prom = _watched_job(stack, job)
-            try:
-                returncode = job.wait(timeout=START_TIMEOUT + 60)
-                assert returncode == 0, f"the healthy job failed (rc {returncode}):\n{job.log()[-2000:]}"
-                poll(lambda: len(prom.query(f'rankscope_rank_state{{run="{run_id}",state="finished"}} == 1'))
-                     == NPROC, timeout=30, what="finished ranks scraped")
+            def agreement(prom) -> None:
                 result.agreement = prom.query(
                     f'max_over_time(group:rankscope_replica_ranks:agreement_ratio{{run="{run_id}"}}[5m])')
-                result.prometheus_alerts = prom.alerts()
-                result.deliveries = stack.hook.snapshot()
-            finally:
-                prom.__exit__(None, None, None)
+            watch_healthy_to_its_end(stack, job, result, nproc=NPROC, measure=agreement)
     except Exception:  # noqa: BLE001
         result.error = traceback.format_exc()
     return result

@@ -21,7 +21,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.helpers.jobs import REPO, free_port, wait_until
+import psutil
+
+from tests.helpers.jobs import REPO, free_port
 
 SYNTHETIC_RANK = r"""
 import os, sys, time
@@ -77,6 +79,7 @@ class ExporterProcess:
     def __init__(self, metrics_dir: Path, args: list[str] = (), port: int | None = None,
                  env: dict[str, str] | None = None, scheme: str = "http", ready=None):
         self.metrics_dir = Path(metrics_dir)
+        self._own_port = port is None   # a port we picked may be picked again by another test: then pick anew
         self.port = port or free_port()
         self.args = list(args)
         self.env = {**_env(), **(env or {})}
@@ -94,17 +97,40 @@ class ExporterProcess:
         return f"{self.base}/metrics"
 
     def start(self) -> "ExporterProcess":
+        for attempt in range(3):
+            self._launch()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    break
+                try:
+                    if self._answers():
+                        return self
+                except OSError:   # not up yet
+                    pass
+                time.sleep(0.1)
+            else:
+                raise TimeoutError(f"exporter on port {self.port} did not answer in 30 s: {self.log()[-3000:]}")
+            # A port we picked may have been picked by another exporter meanwhile (free_port's port is
+            # only free a moment): pick anew.
+            if not (self._own_port and attempt < 2 and "already in use" in self.log()):
+                raise AssertionError(f"exporter exited with {self.proc.returncode}: {self.log()[-3000:]}")
+            self.stop()
+            self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _launch(self) -> None:
         cmd = [sys.executable, "-m", "rankscope.exporter", "--port", str(self.port), "--dir", str(self.metrics_dir),
                "--no-nvml", *self.args]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        wait_until(self._answers, timeout=30, interval=0.1, what=f"exporter on port {self.port}")
-        return self
 
     def _answers(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"exporter exited with {self.proc.returncode}: {self.log()}")
+        # Another exporter on the same port would answer too: only ours counts.
+        if not any(c.laddr.port == self.port and c.status == psutil.CONN_LISTEN
+                   for c in psutil.Process(self.proc.pid).net_connections(kind="tcp")):
+            return False
         if self.ready is not None:
             return self.ready(self)
         with urllib.request.urlopen(f"{self.base}/healthz", timeout=2) as resp:
