@@ -46,7 +46,7 @@ from rankscope import exit_status, layout, sinks
 from rankscope.collectives import comm_timing
 from rankscope.collectives.flight_recorder import FlightRecorder, ring_size
 from rankscope.collectives.process_groups import FlightRecorderSource, ProcessGroupMetrics, ProcessGroupReader
-from rankscope.collectives.tracker import CollectiveTracker, check_op, tensor_nbytes
+from rankscope.collectives.tracker import CollectiveTracker, check_op, group_size, tensor_nbytes
 from rankscope.config import MonitorConfig
 from rankscope.contract.catalog import STEP_BUCKETS
 from rankscope.contract.environment import ConfigError
@@ -331,22 +331,25 @@ class Monitor:
             self.errors.error("publisher")
 
     @contextmanager
-    def collective(self, op: str, *tensors: Any, nbytes: int | None = None) -> Iterator[None]:
+    def collective(self, op: str, *tensors: Any, nbytes: int | None = None, group: Any = None) -> Iterator[None]:
         """Time an explicit collective (blocking call inside the block)::
 
-            with monitor.collective("all_reduce", t):
-                dist.all_reduce(t)
+            with monitor.collective("all_reduce", t, group=tp_group):
+                dist.all_reduce(t, group=tp_group)
 
         ``nbytes`` defaults to the size of the tensors given, which should be
         the message size as nccl-tests counts it (all_gather: the output).
+        ``group``: the collective's process group (default: the world), whose
+        size makes its bus bandwidth.
         """
         check_op(op)
         size = tensor_nbytes(tensors) if nbytes is None else nbytes
+        size_of_group = group_size(group)
         cuda = self.device.device_of(list(tensors))
         if cuda is not None:
             self.device.bind(cuda)   # a Monitor() without a device learns it here at the latest
         if cuda is not None and self.device.events is not None:
-            span = self.tracker.begin_device(op, size)
+            span = self.tracker.begin_device(op, size, group_size=size_of_group)
             try:
                 yield
             finally:
@@ -356,7 +359,7 @@ class Monitor:
             try:
                 yield
             finally:
-                self.tracker.end(token, op, size, t0, start)
+                self.tracker.end(token, op, size, t0, start, group_size=size_of_group)
 
     # -- user metrics --------------------------------------------------------
     def gauge(self, name: str, documentation: str, labels: Sequence[str] = ()) -> UserMetric:

@@ -149,8 +149,8 @@ def main(argv=None) -> int:
 
     class Sink:
         def __getattr__(self, name):
-            return lambda *a, **k: (Child(), Child()) if name in ("process_group_counters", "process_group_seq") \
-                else Child()
+            shapes = {"process_group_counters": 3, "process_group_seq": 2}
+            return lambda *a, **k: tuple(Child() for _ in range(shapes[name])) if name in shapes else Child()
 
     class Child:
         def inc(self, *a): pass

@@ -77,6 +77,7 @@ def test_fsdp2_counts_equal_comm_debug_mode_bytes_match_the_shards_and_no_alert_
         counts = wait_until(lambda: (c := by_op(prom, "rankscope_process_group_collectives_total", job.run_id))
                             and c.get("barrier") and c, timeout=30, what="final process-group counts")
         nbytes = by_op(prom, "rankscope_process_group_collective_bytes_total", job.run_id)
+        bus_nbytes = by_op(prom, "rankscope_process_group_collective_bus_bytes_total", job.run_id)
         fired = alerts_fired(prom, job.run_id)
     gathers = step["_allgather_base_"] + evaluation["_allgather_base_"]
     assert counts["all_gather"] == gathers
@@ -91,6 +92,8 @@ def test_fsdp2_counts_equal_comm_debug_mode_bytes_match_the_shards_and_no_alert_
     # Reduce-scatters (as all-reduces) move each layer's whole gradient: the same bytes, plus a few small all-reduces.
     reduce_scatter_bytes = step["_reduce_scatter_base_"] // 3 * layer_gather_bytes(2)
     assert reduce_scatter_bytes <= nbytes["all_reduce"] <= reduce_scatter_bytes + 1024
+    # Bus bytes, as nccl-tests counts them for a group of 2: all_gather (n-1)/n, all_reduce 2(n-1)/n.
+    assert bus_nbytes == {"all_gather": nbytes["all_gather"] / 2, "all_reduce": nbytes["all_reduce"], "barrier": 0}
     assert fired == [], [a["metric"] for a in fired]
 
 

@@ -115,6 +115,8 @@ def test_live_metrics_of_a_two_rank_job(comm_timing):
             # Bytes of the timed steps' gradients, plus the evaluations' small all-reduces.
             assert timed_steps * bucket_bytes <= all_bytes <= timed_steps * bucket_bytes * 1.01, \
                 (all_bytes, timed_steps, bucket_bytes)
+            # 2 ranks: a ring all_reduce moves each byte 2(n-1)/n = 1 time over the bus.
+            assert value(final, "rankscope_collective_bus_bytes_total", rank=r, op="all_reduce") == all_bytes
             assert value(final, "rankscope_collective_last_duration_seconds", rank=r, op="all_reduce") > 0
             assert 0 < value(final, "rankscope_user_eval_accuracy_ratio", rank=r) <= 1
             assert value(final, "rankscope_nonfinite_total", rank=r, what="loss") == 0

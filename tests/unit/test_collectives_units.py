@@ -13,6 +13,7 @@ import pytest
 
 from rankscope.contract.catalog import PROCESS_GROUP_OPS
 from rankscope.collectives.process_groups import ProcessGroupReader, entry_nbytes, group_label, op_of
+from rankscope.collectives.tracker import bus_factor, group_size
 
 
 @pytest.mark.parametrize("name, op", [
@@ -45,6 +46,27 @@ def test_message_size_follows_nccl_tests():
     assert entry_nbytes(reduce, "all_reduce") == 10 * 2 + 6 * 8
 
 
+@pytest.mark.parametrize("op, n, factor", [
+    ("all_reduce", 8, 2 * 7 / 8), ("all_reduce", 2, 1.0), ("all_reduce", 1, 0.0),
+    ("all_gather", 8, 7 / 8), ("reduce_scatter", 4, 3 / 4), ("all_to_all", 4, 3 / 4), ("gather", 4, 3 / 4),
+    ("scatter", 4, 3 / 4), ("broadcast", 8, 1.0), ("reduce", 8, 1.0), ("send", 2, 1.0), ("recv", 2, 1.0),
+    ("barrier", 8, 0.0)])
+def test_bus_bandwidth_factors_are_nccl_tests(op, n, factor):
+    """nccl-tests (doc/PERFORMANCE.md): busBw = algBw x the op's factor, so that every op reads
+    against the link's speed. A group of one moves nothing over a bus."""
+    assert bus_factor(op, n) == pytest.approx(factor)
+
+
+def test_a_collective_group_that_is_no_process_group_is_refused_clearly():
+    class Group:
+        def size(self):
+            return 4
+
+    assert group_size(Group()) == 4
+    with pytest.raises(TypeError, match="process group"):
+        group_size([0, 1])
+
+
 class Child:
     def __init__(self):
         self.value = 0.0
@@ -70,7 +92,8 @@ class Sink:
         return self.children.setdefault(key, Child())
 
     def process_group_counters(self, group, group_id, op):
-        return self._c("count", group, group_id, op), self._c("bytes", group, group_id, op)
+        return (self._c("count", group, group_id, op), self._c("bytes", group, group_id, op),
+                self._c("bus_bytes", group, group_id, op))
 
     def process_group_seq(self, group, group_id):
         return self._c("enqueued", group, group_id), self._c("completed", group, group_id)

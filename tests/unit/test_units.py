@@ -475,6 +475,7 @@ def test_reducer_timing_counts_a_long_backward_as_waiting_not_compute():
 
     class SampledTimers:
         exposed = 0.002   # the last sample: 2 ms of exposed all-reduce
+        compute = 0.0     # no sample of the compute yet: the clipped moving average stands in
 
     timing = ReducerTiming(CollectiveTracker(RankDevice(lambda what, reason: None)), on_error=lambda: None)
     timing.timers = SampledTimers()
@@ -483,6 +484,27 @@ def test_reducer_timing_counts_a_long_backward_as_waiting_not_compute():
     assert timing.exposed_wait(0.0, 30.0, 30.0) == pytest.approx(30.0 - 0.012, rel=1e-3)
     assert timing.usual_backward < 0.03                                        # the wait did not become usual
     assert timing.exposed_wait(0.0, 0.013, 0.013) == pytest.approx(0.002)
+
+
+def test_reducer_timing_never_learns_a_fabric_wide_wait_as_compute():
+    """A slow fabric slows every step's all-reduce: every backward is 30x its compute, on
+    every rank and every step. The usual backward is DDP's sampled compute, so the wait stays
+    a wait however long it lasts; a clipped moving average of the whole backward would learn
+    it within a hundred steps and book it as every rank's compute."""
+    from rankscope.collectives.comm_timing import ReducerTiming
+
+    class SampledTimers:
+        exposed = 0.29    # the sampled step waited 290 ms after its compute
+        compute = 0.010   # and computed 10 ms
+
+    timing = ReducerTiming(CollectiveTracker(RankDevice(lambda what, reason: None)), on_error=lambda: None)
+    timing.timers = SampledTimers()
+    for _ in range(1000):
+        assert timing.exposed_wait(0.0, 0.30, 0.30) == pytest.approx(0.29)
+    # The compute itself doubles (a slower GPU): DDP's samples say so, and it is compute.
+    SampledTimers.exposed, SampledTimers.compute = 0.0, 0.020
+    assert timing.exposed_wait(0.0, 0.021, 0.021) == pytest.approx(0.0)
+    assert timing.usual_backward == pytest.approx(0.020)
 
 
 def test_the_memory_limit_is_read_from_the_process_own_cgroup(tmp_path):

@@ -158,7 +158,7 @@ class ReducerTiming(CommTiming):
         self.tracker = tracker
         self.on_error = on_error
         self.timers: ReducerTimers | None = None
-        self.usual_backward = 0.0     # seconds: a moving average of backward that long waits do not drag up
+        self.usual_backward = 0.0     # seconds: the rank's usual backward compute (see exposed_wait)
 
     def attach(self, model: Any) -> None:
         super().attach(model)
@@ -177,16 +177,26 @@ class ReducerTiming(CommTiming):
 
     def exposed_wait(self, backward_start: float, backward_end: float, backward_seconds: float) -> float:
         """DDP's timers, from the latest sampled step, stand for the steps between samples;
-        but a backward far longer than usual waited for a peer (a frozen or hung rank)
-        on *this* step, and the sample cannot know it: the excess over the usual
-        backward is counted as waiting, not as this rank's compute."""
-        usual = self.usual_backward
-        exposed = self.timers.exposed
+        but a backward far longer than usual waited for a peer or the fabric (a frozen rank,
+        a slow link) on *this* step, and the sample cannot know it: the excess over the usual
+        compute is counted as waiting, not as this rank's compute.
+
+        "Usual" is the rank's own backward compute as DDP's timers measured it on the sampled
+        steps (from the end of forward to its last gradient ready), never the whole backward:
+        when every step waits long (a fabric slowed for everyone), the whole backward is long
+        on every step and would become usual, and the wait would be booked as every rank's
+        compute. Until the first sample, a clipped moving average of the backward stands in."""
+        timers = self.timers
+        if timers.compute:
+            usual = self.usual_backward = timers.compute
+        else:
+            usual = self.usual_backward
+            # A clipped moving average: one long wait must not become the usual.
+            clipped = min(backward_seconds, UNUSUAL_BACKWARD_FACTOR * usual) if usual else backward_seconds
+            self.usual_backward = usual + 0.05 * (clipped - usual) if usual else clipped
+        exposed = timers.exposed
         if usual and backward_seconds > UNUSUAL_BACKWARD_FACTOR * usual:
             exposed = max(exposed, backward_seconds - usual)
-        # A clipped moving average: one long wait must not become the usual.
-        clipped = min(backward_seconds, UNUSUAL_BACKWARD_FACTOR * usual) if usual else backward_seconds
-        self.usual_backward = usual + 0.05 * (clipped - usual) if usual else clipped
         return min(exposed, backward_seconds)
 
     def step_ended(self) -> None:
@@ -264,7 +274,9 @@ class ReducerTimers:
         ddp_model._set_ddp_runtime_logging_sample_rate(every)
         data = ddp_model._get_ddp_logging_data()   # private API: fails here, at start-up, if it is gone
         self.bytes_per_step = int(data["total_parameter_size_bytes"]) - int(data.get("unused_parameter_size", 0))
+        self.group_size = ddp_model.process_group.size()
         self.exposed = 0.0        # seconds the last sampled backward waited for communication after its compute
+        self.compute = 0.0        # seconds of backward compute on the sampled steps (a moving average; 0: none yet)
         self._steps = 0
         self._last_iteration = -1
 
@@ -285,9 +297,12 @@ class ReducerTimers:
         compute_end = data.get("backward_compute_time_end", 0)
         comm_end = data.get("backward_comm_time_end", 0)
         self.exposed = max(comm_end - compute_end, 0) / 1e9 if compute_end and comm_end else 0.0
+        compute = data.get("backward_compute_time", 0) / 1e9
+        if compute > 0:
+            self.compute = compute if not self.compute else self.compute + 0.3 * (compute - self.compute)
         # Bytes go with the timed steps only, so that bytes / seconds stays a bandwidth.
         return CollectiveRecord("all_reduce", self.bytes_per_step, data.get("backward_comm_time_start", 0) / 1e9,
-                                comm_ns / 1e9)
+                                comm_ns / 1e9, group_size=self.group_size)
 
 
 def _builtin_after_watch(comm_hook_type: Any) -> None:
@@ -337,12 +352,14 @@ def ddp_timing_hook(timing: HookTiming):
         inner = timing.inner
         timing.last_launch = time.perf_counter()
         span = token = None
+        group_size = 1
         try:
+            group_size = model.process_group.size()
             on = device.api.device_of(buf)
             if on is None:
                 token, t0, start = tracker.begin("all_reduce")
             elif device.events is not None and on == device.index:
-                span = tracker.begin_device("all_reduce", nbytes, index)
+                span = tracker.begin_device("all_reduce", nbytes, index, group_size)
         except Exception:  # telemetry must never fail the backward pass
             on_error()
         timing.last_device_span = span
@@ -355,7 +372,7 @@ def ddp_timing_hook(timing: HookTiming):
                 if span is not None:
                     tracker.end_device(span)
                 elif token is not None:
-                    tracker.end(token, "all_reduce", nbytes, t0, start, index)
+                    tracker.end(token, "all_reduce", nbytes, t0, start, index, group_size)
             except Exception:
                 on_error()
             value = f.value()

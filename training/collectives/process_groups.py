@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rankscope.collectives.flight_recorder import RING_DEFAULT
+from rankscope.collectives.tracker import bus_factor
 
 log = logging.getLogger("rankscope")
 
@@ -137,7 +138,8 @@ class Group:
     pg_id: str
     name: str
     label: str
-    series: dict = field(default_factory=dict)         # op -> (count child, bytes child)
+    size: int = 0                                      # ranks in the group (0: unknown, no bus bytes)
+    series: dict = field(default_factory=dict)         # op -> (count child, bytes child, bus bytes child)
     in_flight: dict = field(default_factory=dict)      # seq -> (op, unix seconds enqueued)
     published_in_flight: dict = field(default_factory=dict)   # op -> start last written
     enqueued: int = -1
@@ -638,9 +640,12 @@ class ProcessGroupReader:
             self._drop("process_group", f"more than {self._max_groups} process groups on this rank")
             return
         op = op_of(entry.get("profiling_name", ""))
-        count, nbytes = self._series(group, op)
+        count, nbytes, bus_nbytes = self._series(group, op)
         count.inc()
-        nbytes.inc(entry_nbytes(entry, op))
+        size = entry_nbytes(entry, op)
+        nbytes.inc(size)
+        if group.size and op != "other":
+            bus_nbytes.inc(size * bus_factor(op, group.size))
         duration_ms = entry.get("duration_ms")
         if duration_ms is not None:
             self._m.process_group_duration(group.label, op).observe(float(duration_ms) / 1000.0)
@@ -711,7 +716,7 @@ class ProcessGroupReader:
         group_id = str(list(process_group)[0])
         if cursor.recorder == "cpu" and "nccl" in self.cursors and _has_cuda_backend(group_id):
             group_id += ".cpu"   # the CPU half of a "cuda:nccl,cpu:gloo" group: its own sequence
-        group = Group(pg_id, group_id, self._label(process_group))
+        group = Group(pg_id, group_id, self._label(process_group), size=_group_size(str(list(process_group)[0])))
         group.seq_children = self._m.process_group_seq(group.label, group.name)
         status = cursor.status.get(pg_id, {})
         group.enqueued = group.status_enqueued = int(status.get("last_enqueued_collective", -1))
@@ -773,6 +778,19 @@ def _has_cuda_backend(group_name: str) -> bool:
     return False
 
 
+def _group_size(group_name: str) -> int:
+    """The size of the process group called ``group_name`` (0 if this process has none by that name)."""
+    from torch.distributed import distributed_c10d
+
+    for pg, name in list(distributed_c10d._world.pg_names.items()):
+        if name == group_name:
+            try:
+                return int(pg.size())
+            except Exception:   # a group being destroyed: its bus bytes are not counted
+                return 0
+    return 0
+
+
 def _dist_initialized() -> bool:
     import torch.distributed as dist
 
@@ -800,7 +818,9 @@ class ProcessGroupMetrics:
 
     def process_group_counters(self, group: str, group_id: str, op: str):
         return (self._child("rankscope_process_group_collectives_total", group=group, group_id=group_id, op=op),
-                self._child("rankscope_process_group_collective_bytes_total", group=group, group_id=group_id, op=op))
+                self._child("rankscope_process_group_collective_bytes_total", group=group, group_id=group_id, op=op),
+                self._child("rankscope_process_group_collective_bus_bytes_total", group=group, group_id=group_id,
+                            op=op))
 
     def process_group_seq(self, group: str, group_id: str):
         return (self._child("rankscope_process_group_last_enqueued_seq", group=group, group_id=group_id),

@@ -41,19 +41,22 @@ class CollectiveRecord:
     start: float        # unix seconds at launch (host)
     duration: float     # seconds
     bucket: int = -1    # DDP bucket index, -1 for explicit collectives
+    group_size: int = 1   # ranks in the collective's process group (its bus bytes: bus_nbytes)
 
 
 class _DeviceSpan:
     """A CUDA event pair still waiting to be read."""
 
-    __slots__ = ("token", "op", "nbytes", "start_unix", "bucket", "start_event", "end_event", "duration")
+    __slots__ = ("token", "op", "nbytes", "start_unix", "bucket", "group_size", "start_event", "end_event",
+                 "duration")
 
-    def __init__(self, token, op, nbytes, start_unix, bucket, start_event, end_event):
+    def __init__(self, token, op, nbytes, start_unix, bucket, group_size, start_event, end_event):
         self.token = token
         self.op = op
         self.nbytes = nbytes
         self.start_unix = start_unix
         self.bucket = bucket
+        self.group_size = group_size
         self.start_event = start_event
         self.end_event = end_event
         self.duration: float | None = None   # seconds, once read
@@ -92,13 +95,14 @@ class CollectiveTracker:
     def unmark(self, token: int) -> None:
         self._in_flight.pop(token, None)
 
-    def end(self, token: int, op: str, nbytes: int, t0: float, start: float, bucket: int = -1) -> None:
+    def end(self, token: int, op: str, nbytes: int, t0: float, start: float, bucket: int = -1,
+            group_size: int = 1) -> None:
         t1 = time.perf_counter()
         self._in_flight.pop(token, None)
-        self._record(CollectiveRecord(op, nbytes, start, t1 - t0, bucket))
+        self._record(CollectiveRecord(op, nbytes, start, t1 - t0, bucket, group_size))
 
     # -- device (CUDA events) ---------------------------------------------
-    def begin_device(self, op: str, nbytes: int, bucket: int = -1) -> _DeviceSpan:
+    def begin_device(self, op: str, nbytes: int, bucket: int = -1, group_size: int = 1) -> _DeviceSpan:
         device = self.device
         token = next(self._tokens)
         start = time.time()
@@ -109,7 +113,7 @@ class CollectiveTracker:
         except Exception:
             self._in_flight.pop(token, None)
             raise
-        return _DeviceSpan(token, op, nbytes, start, bucket, start_event, None)
+        return _DeviceSpan(token, op, nbytes, start, bucket, group_size, start_event, None)
 
     def end_device(self, span: _DeviceSpan) -> None:
         """Call where the device's current stream is synchronised with the collective's completion
@@ -138,7 +142,8 @@ class CollectiveTracker:
                 span = self._device.popleft()
                 span.duration = span.start_event.elapsed_time(span.end_event) / 1000.0
                 self._in_flight.pop(span.token, None)
-                self._record(CollectiveRecord(span.op, span.nbytes, span.start_unix, span.duration, span.bucket))
+                self._record(CollectiveRecord(span.op, span.nbytes, span.start_unix, span.duration, span.bucket,
+                                              span.group_size))
                 self.device.events.put(span.start_event)
                 self.device.events.put(span.end_event)
                 done += 1
@@ -187,6 +192,33 @@ def tensor_nbytes(tensors: Iterable[Any]) -> int:
         elif hasattr(t, "element_size"):
             total += t.numel() * t.element_size()
     return total
+
+
+def group_size(group: Any = None) -> int:
+    """The size of ``group`` (a ``torch.distributed`` process group; None: the world)."""
+    if group is not None:
+        size = getattr(group, "size", None)
+        if not callable(size):
+            raise TypeError(f"group must be a torch.distributed process group, got {type(group).__name__}")
+        return int(size())
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def bus_factor(op: str, group_size: int) -> float:
+    """nccl-tests' bus bandwidth factor: bus bandwidth = algorithm bandwidth (message bytes over
+    the collective's duration) times this, so that every op reads against the link's own speed
+    (a ring all_reduce moves each byte 2(n-1)/n times; all_gather, reduce_scatter, all_to_all,
+    gather and scatter (n-1)/n; broadcast, reduce and point-to-point once)."""
+    n = group_size
+    if op in ("broadcast", "reduce", "send", "recv"):
+        return 1.0
+    if op == "barrier" or n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    return (n - 1) / n   # all_gather, reduce_scatter, all_to_all, gather, scatter
 
 
 def check_op(op: str) -> None:

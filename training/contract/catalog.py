@@ -242,6 +242,10 @@ RANK_METRICS: tuple[MetricSpec, ...] = (
        COLLECTIVE_BUCKETS, ("op",)),
     _g("rankscope_collective_last_duration_seconds", "Duration of the last completed collective.", ("op",)),
     _c("rankscope_collective_bytes_total", "Bytes of input handed to collectives.", ("op",)),
+    _c("rankscope_collective_bus_bytes_total",
+       "Bytes of collectives times nccl-tests' bus factor of the op and group size (all_reduce 2(n-1)/n; "
+       "all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast 1): over the duration, the bus bandwidth.",
+       ("op",)),
     _g("rankscope_collective_in_flight", "1 while the rank is inside a collective of this op, else 0.", ("op",),
        mode="livemostrecent"),
     _g("rankscope_collective_started_timestamp_seconds",
@@ -253,6 +257,10 @@ RANK_METRICS: tuple[MetricSpec, ...] = (
     _c("rankscope_process_group_collective_bytes_total",
        "Bytes of the collectives issued on a process group, by op (all_gather: the gathered output; "
        "everything else: the input).", PROCESS_GROUP_LABELS + ("op",)),
+    _c("rankscope_process_group_collective_bus_bytes_total",
+       "Bytes of the collectives issued on a process group times nccl-tests' bus factor of the op and the "
+       "group's size: over the duration (NCCL with collective timing on), the bus bandwidth.",
+       PROCESS_GROUP_LABELS + ("op",)),
     _h("rankscope_process_group_collective_duration_seconds",
        "Device duration of a process group's collectives, where the backend measures it (NCCL with "
        "collective timing on); gloo gives none.", COLLECTIVE_BUCKETS, ("group", "op")),

@@ -72,6 +72,7 @@ class CollectiveSeries:
     duration: Any    # histogram child
     last: Any        # gauge child
     bytes: Any       # counter child
+    bus_bytes: Any   # counter child
     in_flight: Any   # gauge child
     started: Any     # gauge child
 
@@ -167,6 +168,7 @@ class RankMetrics:
                     duration=m["rankscope_collective_duration_seconds"].labels(*ident, op),
                     last=m["rankscope_collective_last_duration_seconds"].labels(*ident, op),
                     bytes=m["rankscope_collective_bytes_total"].labels(*ident, op),
+                    bus_bytes=m["rankscope_collective_bus_bytes_total"].labels(*ident, op),
                     in_flight=m["rankscope_collective_in_flight"].labels(*ident, op),
                     started=m["rankscope_collective_started_timestamp_seconds"].labels(*ident, op),
                 )

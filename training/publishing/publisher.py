@@ -27,7 +27,7 @@ import time
 from typing import Any, Protocol
 
 from rankscope.collectives.flight_recorder import FlightRecorder
-from rankscope.collectives.tracker import CollectiveTracker
+from rankscope.collectives.tracker import CollectiveTracker, bus_factor
 from rankscope.device.memory import MemorySampler
 from rankscope.device.rank_device import RankDevice
 from rankscope.errors import TelemetryErrors
@@ -206,14 +206,18 @@ class Publisher:
         m, tracker = self._m, self._tracker
         last: dict[str, float] = {}
         nbytes: dict[str, int] = {}
+        bus_nbytes: dict[str, float] = {}
         for rec in tracker.drain():
             m.collective(rec.op).duration.observe(rec.duration)
             last[rec.op] = rec.duration
             nbytes[rec.op] = nbytes.get(rec.op, 0) + rec.nbytes
+            bus_nbytes[rec.op] = bus_nbytes.get(rec.op, 0.0) + rec.nbytes * bus_factor(rec.op, rec.group_size)
         for op, v in last.items():
             m.collective(op).last.set(v)
         for op, n in nbytes.items():
-            m.collective(op).bytes.inc(n)
+            series = m.collective(op)
+            series.bytes.inc(n)
+            series.bus_bytes.inc(bus_nbytes[op])
         in_flight = tracker.in_flight()
         if in_flight:
             with self._device.on_device():   # NCCL's recorder queries its collectives' CUDA events
