@@ -241,7 +241,8 @@ TP_RANKS = LAYOUT_RECORD + "{tp_group!=\"\"}"
 def _straggler_ranks(held_on: str) -> str:
     """Compute per step against the median of the rank's peers in its stage, with a negligible
     absolute floor (only sub-millisecond toy loops are below it), held while an alert with the
-    labels ``held_on`` fires."""
+    labels ``held_on`` fires; at most half of the stage's ranks (more is the run's pace, not
+    ranks), and no rank newly named while its peers' own compute rose (RUN_COMPUTE_ROSE)."""
     return ("(\n  "
             + _indent(hysteresis("RankscopeStraggler",
                                  lambda bar: f"rank:rankscope_phase_seconds:compute_per_step_peer_ratio > {bar}",
@@ -251,10 +252,33 @@ def _straggler_ranks(held_on: str) -> str:
             "  rank:rankscope_phase_seconds:compute_per_step\n"
             "  - on (run, stage) group_left () " + STAGE_PEER_MEDIAN + "\n"
             "  > <<straggler_min_excess_seconds>>\n"
+            ")\n"
+            "and on (run, stage) " + AT_MOST_HALF_SLOW + "\n"
+            "unless on (run, rank) (\n"
+            "  rank:rankscope_phase_seconds:compute_per_step_peer_ratio * 0\n"
+            "  + on (run, stage) group_left () " + RUN_COMPUTE_ROSE_RECORD + "\n"
+            "  unless on (" + held_on + ") ALERTS{alertname=\"RankscopeStraggler\"}\n"
             ")" + WARM)
 
 
 STAGE_PEER_MEDIAN = "stage:rankscope_phase_seconds:compute_per_step_peer_median"
+# A straggler is slower than its peers: no more than half of a stage's ranks (those over the hold
+# bar) can be. When more are, the run's own pace changed (a slow fabric, a slower model step).
+AT_MOST_HALF_SLOW = (
+    "(\n"
+    "  count by (run, stage) (rank:rankscope_phase_seconds:compute_per_step_peer_ratio > <<straggler_hold_ratio>>)"
+    " * 2\n"
+    "  <= count by (run, stage) (rank:rankscope_phase_seconds:compute_per_step_peer_ratio >= 0)\n"
+    ")")
+# 1 for a stage whose peers' median compute per step rose above straggler_peer_rise_ratio x its own
+# level over the throughput baseline window: the whole stage got slower (a wait booked as compute,
+# the node's or the fabric's contention). A rank crossing the straggler bar then is not named: its
+# ratio is the run's change, not its own. A rank already named stays named.
+RUN_COMPUTE_ROSE_RECORD = "stage:rankscope_phase_seconds:compute_per_step_peer_median_rose"
+RUN_COMPUTE_ROSE = (
+    STAGE_PEER_MEDIAN + "\n"
+    "> <<straggler_peer_rise_ratio>> * avg_over_time(" + STAGE_PEER_MEDIAN + "[<<throughput_baseline_window>>]"
+    " offset <<throughput_baseline_offset>>)")
 # A straggler, compared only with the ranks of its own stage (a job without a pipeline is one
 # stage): a rank, or a whole tensor-parallel group, once, on its node.
 STRAGGLER = (
@@ -648,6 +672,7 @@ RECORDING_RULES: tuple[Record, ...] = (
     Record("rank:rankscope_phase_seconds:compute_per_step_peer_ratio",
            "rank:rankscope_phase_seconds:compute_per_step\n"
            "/ on (run, stage) group_left () " + STAGE_PEER_MEDIAN),
+    Record(RUN_COMPUTE_ROSE_RECORD, RUN_COMPUTE_ROSE + " > bool 0"),
     # A pipeline stage's compute per step: its peer median (a straggler in it does not move
     # it), or its only rank's. Against the median of the other stages (the job without its
     # slowest stage): a stage's ratio. Only for jobs with stages.
@@ -1268,6 +1293,7 @@ RULE_GROUPS: tuple[Group, ...] = (
         "rank:rankscope_phase_seconds:compute_per_step",
         STAGE_PEER_MEDIAN,
         "rank:rankscope_phase_seconds:compute_per_step_peer_ratio",
+        RUN_COMPUTE_ROSE_RECORD,
         "stage:rankscope_phase_seconds:compute_per_step",
         "stage:rankscope_phase_seconds:compute_per_step_ratio",
         "stage:rankscope_step_last_compute_seconds:max_over_median",
