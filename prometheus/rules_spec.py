@@ -253,7 +253,7 @@ def _straggler_ranks(held_on: str) -> str:
             "  - on (run, stage) group_left () " + STAGE_PEER_MEDIAN + "\n"
             "  > <<straggler_min_excess_seconds>>\n"
             ")\n"
-            "and on (run, stage) " + AT_MOST_HALF_SLOW + "\n"
+            "unless on (run, stage) " + SLOW_MAJORITY_RECORD + "\n"
             "unless on (run, rank) (\n"
             "  rank:rankscope_phase_seconds:compute_per_step_peer_ratio * 0\n"
             "  + on (run, stage) group_left () " + RUN_COMPUTE_ROSE_RECORD + "\n"
@@ -262,14 +262,18 @@ def _straggler_ranks(held_on: str) -> str:
 
 
 STAGE_PEER_MEDIAN = "stage:rankscope_phase_seconds:compute_per_step_peer_median"
-# A straggler is slower than its peers: no more than half of a stage's ranks (those over the hold
-# bar) can be. When more are, the run's own pace changed (a slow fabric, a slower model step).
-AT_MOST_HALF_SLOW = (
-    "(\n"
-    "  count by (run, stage) (rank:rankscope_phase_seconds:compute_per_step_peer_ratio > <<straggler_hold_ratio>>)"
-    " * 2\n"
-    "  <= count by (run, stage) (rank:rankscope_phase_seconds:compute_per_step_peer_ratio >= 0)\n"
-    ")")
+# A straggler is slower than its peers: no more than half of a stage's ranks can be. 1 for a stage
+# where more than half compute over straggler_hold_ratio x its fastest quarter's level (the 0.25
+# quantile: the fast ranks' level even when most are slow, which the peer median is not): the
+# stage's pace, not ranks (a slow fabric booked as compute, a slower model step, the node's load).
+SLOW_MAJORITY_RECORD = "stage:rankscope_phase_seconds:compute_per_step_slow_majority"
+SLOW_MAJORITY = (
+    "count by (run, stage) (\n"
+    "  rank:rankscope_phase_seconds:compute_per_step\n"
+    "  > on (run, stage) group_left () <<straggler_hold_ratio>>"
+    " * quantile by (run, stage) (0.25, rank:rankscope_phase_seconds:compute_per_step >= 0)\n"
+    ") * 2\n"
+    "> count by (run, stage) (rank:rankscope_phase_seconds:compute_per_step >= 0)")
 # 1 for a stage whose peers' median compute per step rose above straggler_peer_rise_ratio x its own
 # level over the throughput baseline window: the whole stage got slower (a wait booked as compute,
 # the node's or the fabric's contention). A rank crossing the straggler bar then is not named: its
@@ -490,6 +494,61 @@ NETWORK_DEGRADED = (
     "and on (run) (count by (run) (count by (run, node) (rankscope_rank_up{SEL})) > 1)")
 
 
+# ---- a slow fabric (docs/alerting.md, "A slow fabric") -------------------------------------------
+# Bus bandwidth (nccl-tests' definition: message bytes over the collective's duration, times the
+# op's factor for its group size; rankscope.collectives.tracker.bus_factor) per rank and op, from
+# the collectives rankscope times (DDP's buckets or timers, explicit collectives), and per rank,
+# process group and op where the backend measures durations (NCCL with collective timing on).
+BUS_BANDWIDTH = "rank_op:rankscope_collective_bus_bandwidth_bytes:rate"
+ALGORITHM_BANDWIDTH = "rank_op:rankscope_collective_algorithm_bandwidth_bytes:rate"
+GROUP_BUS_BANDWIDTH = "rank_group_op:rankscope_process_group_bus_bandwidth_bytes:rate"
+RUN_BUS_BANDWIDTH = "run_op:rankscope_collective_bus_bandwidth_bytes:median"
+RUN_GROUP_BUS_BANDWIDTH = "run_group_op:rankscope_process_group_bus_bandwidth_bytes:median"
+# Node data that show a constrained link (one series per node, device and kind of evidence): a queue
+# held back over its shaper's or policer's limit, an InfiniBand port waiting for credit, a link whose
+# speed is below the same device's on the fleet's other nodes, a link near its speed.
+FABRIC_NODE_EVIDENCE = "node_device:rankscope_node_network_constrained:evidence"
+FABRIC_NODE_EVIDENCE_EXPR = (
+    "label_replace(rate(rankscope_node_network_qdisc_overlimits_total{SEL}[<<rate_window>>])"
+    " > <<fabric_queue_overlimits_per_second>>, \"evidence\", \"its queue is held back over its limit\", \"\", \"\")\n"
+    "or label_replace(rate(rankscope_node_infiniband_xmit_wait_total{SEL}[<<rate_window>>])"
+    " > <<fabric_xmit_wait_per_second>>, \"evidence\", \"its InfiniBand port waits for flow-control credit\", "
+    "\"\", \"\")\n"
+    "or label_replace(rankscope_node_network_speed_bytes{SEL}\n"
+    "  < on (device) group_left () quantile by (device) (0.5, rankscope_node_network_speed_bytes{SEL}),"
+    " \"evidence\", \"its link runs below the speed of the same device on the other nodes\", \"\", \"\")\n"
+    "or label_replace(rankscope_node_infiniband_rate_bytes{SEL}\n"
+    "  < on (device) group_left () quantile by (device) (0.5, rankscope_node_infiniband_rate_bytes{SEL}),"
+    " \"evidence\", \"its InfiniBand port is trained below the rate of the same port on the other nodes\", \"\", \"\")\n"
+    "or label_replace(rate(rankscope_node_network_bytes_total{SEL,direction=\"tx\"}[<<rate_window>>])\n"
+    "  / ignoring (direction) (rankscope_node_network_speed_bytes{SEL} > 0) > <<fabric_saturated_ratio>>,"
+    " \"evidence\", \"its link sends near its speed\", \"\", \"\")")
+# The run's collectives slower than its own level, while compute per rank is balanced (no rank over
+# the straggler bar) and unchanged (the peers' median did not rise), and no rank is outside a
+# collective (a stall cause): the fabric carrying them is slow, not the ranks. A lossy link is
+# NetworkDegraded's (its node retransmits: more specific).
+FABRIC_SLOW = (
+    "(\n  " + _indent(hysteresis(
+        "RankscopeFabricSlow",
+        lambda bar: (RUN_BUS_BANDWIDTH + f"\n< {bar} * avg_over_time(" + RUN_BUS_BANDWIDTH
+                     + "[<<throughput_baseline_window>>] offset <<throughput_baseline_offset>>)\n"
+                     "or " + RUN_GROUP_BUS_BANDWIDTH + f"\n< {bar} * avg_over_time(" + RUN_GROUP_BUS_BANDWIDTH
+                     + "[<<throughput_baseline_window>>] offset <<throughput_baseline_offset>>)"),
+        "<<fabric_slow_ratio>>", "<<fabric_slow_hold_ratio>>", on="run, op")) + "\n)\n"
+    "and on (run) (max by (run) (rank:rankscope_phase_seconds:compute_per_step_peer_ratio) <= <<straggler_ratio>>)\n"
+    "unless on (run) " + RUN_COMPUTE_ROSE_RECORD + "\n"
+    "unless on (run) rank:rankscope_steps:warming_up")
+
+
+def _bandwidth_before(record: str, group: bool) -> str:
+    """The run's bus bandwidth level before (the alert's baseline), as template text."""
+    group_matcher = ',group="%s"' if group else ""
+    group_arg = " $labels.group" if group else ""
+    return ("{{ with printf `avg_over_time(" + record + '{run="%s",op="%s"' + group_matcher
+            + "}[<<throughput_baseline_window>>] offset <<throughput_baseline_offset>>)` $labels.run $labels.op"
+            + group_arg + " | query }}{{ . | first | value | humanize1024 }}B/s{{ else }}its level{{ end }}")
+
+
 def cause(name: str, alert: str, condition: str) -> Record:
     """run:rankscope_cause:present{cause=NAME}: 1 while ALERT's condition holds in the run
     or the alert is pending or firing (keep_firing_for included). The victims' alerts of
@@ -673,6 +732,7 @@ RECORDING_RULES: tuple[Record, ...] = (
            "rank:rankscope_phase_seconds:compute_per_step\n"
            "/ on (run, stage) group_left () " + STAGE_PEER_MEDIAN),
     Record(RUN_COMPUTE_ROSE_RECORD, RUN_COMPUTE_ROSE + " > bool 0"),
+    Record(SLOW_MAJORITY_RECORD, "(\n  " + _indent(SLOW_MAJORITY) + "\n) > bool 0"),
     # A pipeline stage's compute per step: its peer median (a straggler in it does not move
     # it), or its only rank's. Against the median of the other stages (the job without its
     # slowest stage): a stage's ratio. Only for jobs with stages.
@@ -803,6 +863,20 @@ RECORDING_RULES: tuple[Record, ...] = (
     cause("startup_missing", "RankscopeStartupRanksMissing", STARTUP_MISSING_RECORD),
     Record(RETRANSMIT_RATIO_RECORD, RETRANSMIT_RATIO),
     cause("network_degraded", "RankscopeNetworkDegraded", NETWORK_DEGRADED),
+    Record(ALGORITHM_BANDWIDTH,
+           "rate(rankscope_collective_bytes_total{SEL}[<<rate_window>>])\n"
+           "/ (rate(rankscope_collective_duration_seconds_sum{SEL}[<<rate_window>>]) > 0)"),
+    Record(BUS_BANDWIDTH,
+           "rate(rankscope_collective_bus_bytes_total{SEL}[<<rate_window>>])\n"
+           "/ (rate(rankscope_collective_duration_seconds_sum{SEL}[<<rate_window>>]) > 0)"),
+    Record(RUN_BUS_BANDWIDTH, "quantile by (run, op) (0.5, " + BUS_BANDWIDTH + ")"),
+    Record(GROUP_BUS_BANDWIDTH,
+           "sum without (group_id) (rate(rankscope_process_group_collective_bus_bytes_total{SEL}[<<rate_window>>]))\n"
+           "/ (rate(rankscope_process_group_collective_duration_seconds_sum{SEL}[<<rate_window>>]) > 0)"),
+    Record(RUN_GROUP_BUS_BANDWIDTH, "quantile by (run, group, op) (0.5, " + GROUP_BUS_BANDWIDTH + ")"),
+    Record(FABRIC_NODE_EVIDENCE, FABRIC_NODE_EVIDENCE_EXPR),
+    cause("fabric_slow", "RankscopeFabricSlow",
+          FABRIC_SLOW + "\nunless on (run) run:rankscope_cause:present{cause=\"network_degraded\"}"),
     # ---- the rank using each GPU (read by the GPU alerts of the same group) ----
     Record(GPU_RANK_LIVE, gpu_rank_map("rankscope_rank_up{SEL} == 1")),
     Record(GPU_RANK_PROGRESSING, gpu_rank_map("rankscope_rank_state{SEL,state=\"progressing\"} == 1")),
@@ -1100,7 +1174,7 @@ ALERTS: tuple[Alert, ...] = (
     Alert("RankscopeStraggler",
           # A hung, frozen, dead or lost rank stops its peers too: their compute
           # per step is then meaningless, and the cause already pages.
-          STRAGGLER + f"\nunless on (run) run:rankscope_cause:present{{cause=~\"{STALL_CAUSES}|network_degraded\"}}",
+          STRAGGLER + f"\nunless on (run) run:rankscope_cause:present{{cause=~\"{STALL_CAUSES}|network_degraded|fabric_slow\"}}",
           "warning",
           "Straggler in run {{ $labels.run }}: {{ if $labels.rank }}rank {{ $labels.rank }}{{ else }}tensor-parallel "
           "group {{ $labels.tp_group }}{{ end }} on node {{ $labels.node }}",
@@ -1136,7 +1210,7 @@ ALERTS: tuple[Alert, ...] = (
           "stages wait for this one at every hand-off. Rebalance the stages (move layers out of stage "
           "{{ $labels.stage }}, or weigh the split by each layer's cost)."),
     Alert("RankscopeLoadImbalance",
-          LOAD_IMBALANCE + f"\nunless on (run) run:rankscope_cause:present{{cause=~\"{STALL_CAUSES}|straggler\"}}",
+          LOAD_IMBALANCE + f"\nunless on (run) run:rankscope_cause:present{{cause=~\"{STALL_CAUSES}|straggler|fabric_slow\"}}",
           "warning",
           "Uneven work per step in run {{ $labels.run }}{{ if $labels.stage }} (pipeline stage "
           "{{ $labels.stage }}){{ end }}",
@@ -1161,6 +1235,23 @@ ALERTS: tuple[Alert, ...] = (
           " * on (node) group_left () max by (node) (rankscope_rank_state{SEL,run=\"%s\"}))` $labels.node "
           "$labels.run | query | sortByLabel \"node\" }} The run's other nodes retransmit:{{ range $i, $s := . }}"
           "{{ if $i }},{{ end }} {{ $s.Labels.node }} {{ $s.Value | humanizePercentage }}{{ end }}.{{ end }}"),
+    Alert("RankscopeFabricSlow",
+          FABRIC_SLOW + f"\nunless on (run) run:rankscope_cause:present{{cause=~\"{STALL_CAUSES}|network_degraded\"}}",
+          "warning",
+          "The fabric of run {{ $labels.run }} is slow: {{ $labels.op }}{{ if $labels.group }} on group "
+          "{{ $labels.group }}{{ end }} at {{ $value | humanize1024 }}B/s bus bandwidth",
+          "The {{ $labels.op }} collectives of run {{ $labels.run }}{{ if $labels.group }} on process group "
+          "{{ $labels.group }}{{ end }} run at {{ $value | humanize1024 }}B/s bus bandwidth (the median of its "
+          "ranks), against {{ if $labels.group }}" + _bandwidth_before(RUN_GROUP_BUS_BANDWIDTH, group=True)
+          + "{{ else }}" + _bandwidth_before(RUN_BUS_BANDWIDTH, group=False) + "{{ end }} over the "
+          "<<throughput_baseline_window>> before, while every rank computes as it did and within "
+          "<<straggler_ratio>>x its peers, and no rank is stuck outside a collective: the fabric carrying them is "
+          "slow, not the ranks (their wait in communication is not their compute; none is a straggler)."
+          "{{ with printf `" + FABRIC_NODE_EVIDENCE + " * on (node) group_left () max by (node) "
+          "(rankscope_rank_up{SEL,run=\"%s\"})` $labels.run | query | sortByLabel \"node\" }} Where the nodes' "
+          "data show it:{{ range $i, $s := . }}{{ if $i }};{{ end }} node {{ $s.Labels.node }} "
+          "({{ $s.Labels.device }}): {{ $s.Labels.evidence }}{{ end }}.{{ else }} No node of the run shows it in its "
+          "own counters (queues, link speeds, credit waits): look at the switches between them.{{ end }}"),
     Alert("RankscopeInputBound",
           INPUT_BOUND,
           "warning",
@@ -1294,6 +1385,7 @@ RULE_GROUPS: tuple[Group, ...] = (
         STAGE_PEER_MEDIAN,
         "rank:rankscope_phase_seconds:compute_per_step_peer_ratio",
         RUN_COMPUTE_ROSE_RECORD,
+        SLOW_MAJORITY_RECORD,
         "stage:rankscope_phase_seconds:compute_per_step",
         "stage:rankscope_phase_seconds:compute_per_step_ratio",
         "stage:rankscope_step_last_compute_seconds:max_over_median",
@@ -1309,6 +1401,13 @@ RULE_GROUPS: tuple[Group, ...] = (
         _cause("input_bound"),
         RETRANSMIT_RATIO_RECORD,
         _cause("network_degraded"),
+        ALGORITHM_BANDWIDTH,
+        BUS_BANDWIDTH,
+        RUN_BUS_BANDWIDTH,
+        GROUP_BUS_BANDWIDTH,
+        RUN_GROUP_BUS_BANDWIDTH,
+        FABRIC_NODE_EVIDENCE,
+        _cause("fabric_slow"),
     ), WARNING),
     # Summaries that no alert's expression reads, every minute: the step-time p90
     # from every rank's histogram buckets (18 series per rank, a fifth of the samples
@@ -1428,6 +1527,7 @@ RULE_GROUPS: tuple[Group, ...] = (
     ), WARNING),
     Group("rankscope.alerts.bottlenecks", (
         "RankscopeNetworkDegraded",
+        "RankscopeFabricSlow",
         "RankscopeStraggler",
         "RankscopeStageImbalance",
         "RankscopeLoadImbalance",
