@@ -506,6 +506,15 @@ def communication() -> dash.Dashboard:
                f" / sum by (rank, op) (rate(rankscope_collective_duration_seconds_sum{{{SEL}}}[{RATE}]))",
                "{{op}} rank {{rank}}")]))
     d = d.with_panel(ts(
+        "Bus bandwidth per rank and op",
+        "Bus bandwidth as nccl-tests defines it (algorithm bandwidth times 2(n-1)/n for all_reduce, (n-1)/n for "
+        "all_gather and reduce_scatter): the figure to hold against the fabric's own (all_reduce_perf). The run's "
+        "median is what RankscopeFabricSlow compares with its level of the hour before.", "Bps",
+        [query(f"sum by (rank, op) (rate(rankscope_collective_bus_bytes_total{{{SEL}}}[{RATE}]))"
+               f" / sum by (rank, op) (rate(rankscope_collective_duration_seconds_sum{{{SEL}}}[{RATE}]))",
+               "{{op}} rank {{rank}}"),
+         query(f'run_op:rankscope_collective_bus_bandwidth_bytes:median{{{RUN_SEL}}}', "{{op}} run median (alert basis)")]))
+    d = d.with_panel(ts(
         "Collective bytes per second", "Bytes handed to collectives per second of wall time.", "Bps",
         [query(f"sum by (rank, op) (rate(rankscope_collective_bytes_total{{{SEL}}}[{RATE}]))",
                "{{op}} rank {{rank}}")]))
@@ -522,6 +531,25 @@ def communication() -> dash.Dashboard:
         "Collectives per second", "Completed collectives per second, per rank and op.", "ops",
         [query(f"sum by (rank, op) (rate(rankscope_collective_duration_seconds_count{{{SEL}}}[{RATE}]))",
                "{{op}} rank {{rank}}")]))
+    d = d.with_row(dash.Row("The fabric, on the run's nodes"))
+    run_nodes = f"on (node) group_left () max by (node) (rankscope_rank_up{{{SEL}}})"   # the nodes of its ranks
+    d = d.with_panel(ts(
+        "Link throughput against its speed",
+        "Bytes each network device of the run's nodes sends per second, and its nominal speed (sysfs; absent "
+        "where the driver has none). A link near its speed, or one slower than the same device on the other "
+        "nodes (a NIC trained low), is named by RankscopeFabricSlow.", "Bps",
+        [query(f'sum by (node, device) (rate(rankscope_node_network_bytes_total{{direction="tx"}}[{RATE}])) * {run_nodes}',
+               "{{node}} {{device}} sent"),
+         query(f"max by (node, device) (rankscope_node_network_speed_bytes) * {run_nodes}", "{{node}} {{device}} speed")]))
+    d = d.with_panel(ts(
+        "Queues held back and credit waits",
+        "What a slow link that drops nothing leaves on its node: its root queue held back over its limit (a shaper "
+        "or policer: overlimits per second), and an InfiniBand port waiting for flow-control credit "
+        "(port_xmit_wait ticks per second). Retransmits are on the network panels of a lossy link.", "ops",
+        [query(f"sum by (node, device) (rate(rankscope_node_network_qdisc_overlimits_total[{RATE}])) * {run_nodes}",
+               "{{node}} {{device}} queue overlimits"),
+         query(f"sum by (node, device, port) (rate(rankscope_node_infiniband_xmit_wait_total[{RATE}])) * {run_nodes}",
+               "{{node}} {{device}}/{{port}} credit wait")]))
     d = d.with_row(dash.Row("In flight"))
     d = d.with_panel(ts(
         "Collectives in flight", "1 while a rank is inside a collective of this op (as its node exporter "
@@ -546,6 +574,13 @@ def communication() -> dash.Dashboard:
         "Bps",
         [query(f"sum by (rank, group, op) (rate(rankscope_process_group_collective_bytes_total{{{SEL}}}[{RATE}]))",
                "{{group}} {{op}} rank {{rank}}")]))
+    d = d.with_panel(ts(
+        "Bus bandwidth per process group",
+        "Per rank, group and op, where the backend times the collectives (NCCL with collective timing on; gloo "
+        "gives no durations): bus bytes over the time spent in them.", "Bps",
+        [query(f"sum by (rank, group, op) (rate(rankscope_process_group_collective_bus_bytes_total{{{SEL}}}[{RATE}]))"
+               f" / sum by (rank, group, op) (rate(rankscope_process_group_collective_duration_seconds_sum{{{SEL}}}"
+               f"[{RATE}]))", "{{group}} {{op}} rank {{rank}}")]))
     d = d.with_panel(ts(
         "Collectives behind the group's front",
         "Per rank and process group: the group's highest last-enqueued sequence number (over all its ranks, on "

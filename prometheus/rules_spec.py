@@ -341,6 +341,23 @@ THROUGHPUT_DROP = "(\n  " + _indent(hysteresis(
     "\nand on (run) (run:rankscope_steps:rate offset <<throughput_baseline_offset>>" \
     " * <<rate_window:seconds>> >= <<throughput_min_steps_per_window>>)"
 
+# The causes a run can train under for hours, slower than it could: its pace is theirs, so
+# ThroughputDrop is quiet while one stands. A run under one that then loses a large part of its
+# remaining pace is news (RankscopeRunSlowedFurther): the cause's own alerts keep their labels and
+# Alertmanager does not re-send them.
+PACE_CAUSES = "straggler|stage_imbalance|load_imbalance|input_bound|network_degraded|fabric_slow"
+RUN_SLOWED_FURTHER = "(\n  " + _indent(hysteresis(
+    "RankscopeRunSlowedFurther",
+    lambda bar: ("run:rankscope_steps:rate\n"
+                 f"< {bar} * avg_over_time(run:rankscope_steps:rate[<<throughput_baseline_window>>]"
+                 " offset <<throughput_baseline_offset>>)"),
+    "<<throughput_drop_ratio>>", "<<throughput_drop_hold_ratio>>", on="run")) + "\n)" \
+    "\nunless on (run) rank:rankscope_steps:warming_up" \
+    "\nand on (run) (run:rankscope_steps:rate offset <<throughput_baseline_offset>>" \
+    " * <<rate_window:seconds>> >= <<throughput_min_steps_per_window>>)" \
+    f"\nand on (run) run:rankscope_cause:present{{cause=~\"{PACE_CAUSES}\"}}" \
+    f"\nand on (run) run:rankscope_cause:present{{cause=~\"{PACE_CAUSES}\"}} offset <<throughput_baseline_offset>>"
+
 # Goodput: the share of the run's wall time that trained, averaged over its ranks
 # (a hung, idle or frozen rank counts its 0). Judged once the window lies after
 # the run's first productive step: before it the run is starting (RunStalled's
@@ -864,15 +881,15 @@ RECORDING_RULES: tuple[Record, ...] = (
     Record(RETRANSMIT_RATIO_RECORD, RETRANSMIT_RATIO),
     cause("network_degraded", "RankscopeNetworkDegraded", NETWORK_DEGRADED),
     Record(ALGORITHM_BANDWIDTH,
-           "rate(rankscope_collective_bytes_total{SEL}[<<rate_window>>])\n"
-           "/ (rate(rankscope_collective_duration_seconds_sum{SEL}[<<rate_window>>]) > 0)"),
+           "rate(rankscope_collective_bytes_total{SEL}[<<bandwidth_window>>])\n"
+           "/ (rate(rankscope_collective_duration_seconds_sum{SEL}[<<bandwidth_window>>]) > 0)"),
     Record(BUS_BANDWIDTH,
-           "rate(rankscope_collective_bus_bytes_total{SEL}[<<rate_window>>])\n"
-           "/ (rate(rankscope_collective_duration_seconds_sum{SEL}[<<rate_window>>]) > 0)"),
+           "rate(rankscope_collective_bus_bytes_total{SEL}[<<bandwidth_window>>])\n"
+           "/ (rate(rankscope_collective_duration_seconds_sum{SEL}[<<bandwidth_window>>]) > 0)"),
     Record(RUN_BUS_BANDWIDTH, "quantile by (run, op) (0.5, " + BUS_BANDWIDTH + ")"),
     Record(GROUP_BUS_BANDWIDTH,
-           "sum without (group_id) (rate(rankscope_process_group_collective_bus_bytes_total{SEL}[<<rate_window>>]))\n"
-           "/ (rate(rankscope_process_group_collective_duration_seconds_sum{SEL}[<<rate_window>>]) > 0)"),
+           "sum without (group_id) (rate(rankscope_process_group_collective_bus_bytes_total{SEL}[<<bandwidth_window>>]))\n"
+           "/ (rate(rankscope_process_group_collective_duration_seconds_sum{SEL}[<<bandwidth_window>>]) > 0)"),
     Record(RUN_GROUP_BUS_BANDWIDTH, "quantile by (run, group, op) (0.5, " + GROUP_BUS_BANDWIDTH + ")"),
     Record(FABRIC_NODE_EVIDENCE, FABRIC_NODE_EVIDENCE_EXPR),
     cause("fabric_slow", "RankscopeFabricSlow",
@@ -1276,6 +1293,24 @@ ALERTS: tuple[Alert, ...] = (
           "{{ with printf `topk(1, rank:rankscope_step_duration_seconds:mean{run=\"%s\"})` $labels.run | query }}"
           "{{ range . }}rank {{ .Labels.rank }} on node {{ .Labels.node }} at {{ .Value | humanizeDuration }} per step"
           "{{ end }}{{ else }}unknown{{ end }}."),
+    Alert("RankscopeRunSlowedFurther",
+          "(\n  " + _indent(RUN_SLOWED_FURTHER) + "\n)\n"
+          "unless on (run) (max by (run) (rankscope_rank_state{SEL,state=\"finished\"}) == 1)\n"
+          f"unless on (run) run:rankscope_cause:present{{cause=~\"{STALL_CAUSES}\"}}",
+          "warning",
+          "Run {{ $labels.run }} slowed further under its standing cause",
+          "Run {{ $labels.run }} makes {{ printf `%.3g` $value }} steps/s, below <<throughput_drop_ratio>>x its level "
+          "of the previous <<throughput_baseline_window>>, while it already trains under "
+          "{{ range $i, $s := printf `run:rankscope_cause:present{run=\"%s\",cause=~\"" + PACE_CAUSES + "\"}` "
+          "$labels.run | query | sortByLabel \"cause\" }}{{ if $i }}, {{ end }}{{ $s.Labels.cause }}{{ end }} "
+          "(whose alerts keep firing as they were, and are not sent again)."
+          "{{ with printf `rank:rankscope_phase_seconds:compute_per_step{run=\"%s\"} / avg_over_time("
+          "rank:rankscope_phase_seconds:compute_per_step{run=\"%s\"}[<<throughput_baseline_window>>] offset "
+          "<<throughput_baseline_offset>>) > <<straggler_peer_rise_ratio>>` $labels.run $labels.run | query "
+          "| sortByLabel \"rank\" }} Slower than they were: {{ range $i, $s := . }}{{ if $i }}, {{ end }}rank "
+          "{{ $s.Labels.rank }} on node {{ $s.Labels.node }} ({{ printf `%.2g` $s.Value }}x its compute per step)"
+          "{{ end }}.{{ else }} No rank's own compute rose by <<straggler_peer_rise_ratio>>x: the time went to "
+          "waiting (data, communication).{{ end }}"),
     # A ticket, not a page: the run goes on, only wastefully. Not for a finished
     # run, nor while a cause that explains it pages or warns (GOODPUT_CAUSES).
     Alert("RankscopeGoodputLow",
@@ -1534,6 +1569,7 @@ RULE_GROUPS: tuple[Group, ...] = (
         "RankscopeInputBound",
         "RankscopeCommunicationBound",
         "RankscopeThroughputDrop",
+        "RankscopeRunSlowedFurther",
         "RankscopeGoodputLow",
     ), WARNING),
     Group("rankscope.alerts.gpu", (

@@ -82,12 +82,14 @@ class Fault:
     cause: str                           # the alert that names the cause
     ranks: tuple[str, ...] = ("1",)      # the ranks it must name
     fault_step: int | None = FAULT_STEP  # None: the fault acts from the first step; 0: from the launch
-    act: str = ""                        # sigstop | kill_exporter | lose_node | link_down | link_flap | link_throttle:
+    act: str = ""                        # sigstop | kill_exporter | lose_node | link_down | link_flap | link_throttle | link_slow:
                                          # done by the test at the fault step
     nodes: int = 1                       # 2: two torchrun agents (one rank each) as two nodes
     node_missing: bool = False           # node 0 of two, its ranks started one by one (srun-style); node 1 never
     fabric: bool = False                 # two nodes of two ranks in network namespaces (tests/helpers/netns.py)
-    node: str = ""                       # the node the cause must name (a network fault names no rank)
+    node: str = ""                       # the node the cause must name, by label or in its description
+                                         # (a network fault names no rank)
+    link_speed_mbits: int = 0            # fabric: node b's port reads this speed (sysfs), and is shaped to it
     allowed: tuple[tuple[str, str], ...] = ()   # (alertname, why) also delivered, by design
     cgroup_limit_mb: int = 0             # run the job in a memory cgroup with this limit
     nproc: int = 2                       # ranks of a one-node job
@@ -147,6 +149,16 @@ FAULTS = (
     # communication; node b retransmits. Its link is named, no rank's compute.
     Fault("network_link_throttled", (), "RankscopeNetworkDegraded", ranks=(), node="node-b", act="link_throttle",
           fabric=True),
+    # Node b's own port shaped to 2 Mbit/s with a deep queue: a slow link that drops nothing (a
+    # lossless fabric, a NIC or PCIe link trained low). Steps slow tenfold and more, compute does
+    # not: the fabric is named, with node b's queue held back over its limit; no rank's compute.
+    Fault("network_link_slow", (), "RankscopeFabricSlow", ranks=(), node="node-b", act="link_slow", fabric=True,
+          page_timeout=120.0),
+    # Node b's port trained at 10 Mbit/s against node a's 10 Gbit/s (a veth's speed is fixed: its
+    # sysfs speed is a file bind-mounted for node b's processes; the link shaped to match): named
+    # by its speed against the same port on the other node.
+    Fault("network_link_low_speed", (), "RankscopeFabricSlow", ranks=(), node="node-b", act="link_slow",
+          fabric=True, link_speed_mbits=10, page_timeout=120.0),
     # The same two namespaced nodes, healthy: nothing may be delivered.
     Fault("network_healthy", (), "", ranks=(), fabric=True),
     # Pipeline parallel, 4 ranks: 2 stages x 2 data-parallel replicas. The second stage holds
@@ -230,7 +242,9 @@ class Jobs:
         if self.fabric is not None:
             rdzv = free_port()
             self.jobs = [TrainJob(nproc=2, steps=STEPS, run_id=run, extra_args=extra, metrics_dir=work / f"m{i}",
-                                  nodes=(2, i, rdzv), wrap=self.fabric.exec_prefix(i), host=self.fabric.mgmt_ip(i),
+                                  nodes=(2, i, rdzv), wrap=self.fabric.link_speed_prefix(i, fault.link_speed_mbits)
+                                  if i == 1 and fault.link_speed_mbits else self.fabric.exec_prefix(i),
+                                  host=self.fabric.mgmt_ip(i),
                                   master_addr=self.fabric.fabric_ip(0),
                                   env={"RANKSCOPE_NODE": f"node-{'ab'[i]}", "GLOO_SOCKET_IFNAME": FABRIC_DEVICE,
                                        "RANKSCOPE_METRICS_ADDR": "0.0.0.0", "OMP_NUM_THREADS": "1"})
@@ -322,6 +336,8 @@ def act(fault: Fault, jobs: Jobs) -> None:
             threading.Timer(FLAP_S, jobs.fabric.link_up).start()
     elif fault.act == "link_throttle":
         jobs.fabric.throttle("2mbit")
+    elif fault.act == "link_slow":
+        jobs.fabric.slow_link(f"{fault.link_speed_mbits}mbit" if fault.link_speed_mbits else "2mbit")
 
 
 
@@ -371,7 +387,9 @@ def run_fault(fault: Fault, rules: list[Path], am: AlertmanagerServer, hook: Web
                     alerts = [a for a in firing_alerts(d, fault.cause) if a["labels"].get("run") == run]
                     named = {a["labels"].get("rank", "") for a in alerts}
                     return (d.path == fault.path and bool(named) and set(fault.ranks) <= named | {""}
-                            and (not fault.node or any(a["labels"].get("node") == fault.node for a in alerts))
+                            and (not fault.node or any(a["labels"].get("node") == fault.node
+                                                       or f"node {fault.node} (" in a["annotations"].get("description", "")
+                                                       for a in alerts))
                             and (not fault.stage or any(a["labels"].get("stage") == fault.stage for a in alerts)))
 
                 if not fault.cause:   # a healthy run: nothing may come
@@ -611,6 +629,17 @@ def test_one_page_per_cause(fault: Fault, matrix, record_property):
             assert f"rank {labels['rank']}" in annotations["description"] + annotations["summary"]
     others = delivered_besides(fault, o)
     assert others == [], f"{fault.name}: delivered besides the cause: {others}\n{_describe(o)}"
+
+
+@pytest.mark.parametrize("name, evidence", [("network_link_slow", "its queue is held back over its limit"),
+                                             ("network_link_low_speed", "its link runs below the speed")])
+def test_a_slow_link_is_named_by_what_its_node_shows(matrix, name, evidence):
+    """The fabric alert names node b by its own data (its shaper's overlimits; its port's speed
+    against node a's), and never node a, whose link is healthy."""
+    fault, o = _ran(matrix, name)
+    descriptions = [a["annotations"]["description"] for a in o.cause_alerts(fault)]
+    assert any(f"node node-b (fab0): " in d and evidence in d for d in descriptions), descriptions
+    assert not any("node node-a (" in d for d in descriptions), descriptions
 
 
 @pytest.mark.parametrize("name", ["hang", "hang_two_nodes"])

@@ -5,6 +5,7 @@ matrix (root only: ``ip netns``, veth pairs and ``tc``).
         fabric.exec_prefix(1)     # ["ip", "netns", "exec", <node b's namespace>]: run a node's job in it
         fabric.link_down()        # node b's side of the fabric link down (a pulled cable)
         fabric.throttle("2mbit")  # node b's egress on the fabric limited (tbf): a degraded NIC or port
+        fabric.slow_link("2mbit") # node b's own port shaped with a deep queue: a slow link that drops nothing
 
 Each node is a network namespace with two links:
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import itertools
 import os
 import subprocess
+import tempfile
 import threading
 
 FABRIC_DEVICE = "fab0"
@@ -59,6 +61,7 @@ class Fabric:
         self.namespaces = [f"{tag}a", f"{tag}b"]
         self.switch = f"{tag}s"
         self._root_mgmt = [f"rsm{self.k}a{os.getpid() % 1000}", f"rsm{self.k}b{os.getpid() % 1000}"]
+        self._files: list[str] = []
 
     # -- addresses -------------------------------------------------------------------
     def fabric_ip(self, node: int) -> str:
@@ -85,6 +88,29 @@ class Fabric:
         subprocess.run(["ip", "netns", "exec", self.switch, "tc", "qdisc", "add", "dev", "swa",
                         "root", "tbf", "rate", rate, "burst", "32kbit", "latency", "100ms"],
                        check=True, capture_output=True, timeout=30)
+
+    def slow_link(self, rate: str) -> None:
+        """Node b's own fabric port sends at ``rate`` through a token bucket with a deep queue
+        (400 ms): a link that queues instead of dropping, as a lossless fabric under flow control
+        or a NIC trained at a lower speed do. Shaped at the sender, TCP's local back-pressure keeps
+        the queue from dropping: nothing is retransmitted, and node b's qdisc counts its
+        overlimits."""
+        subprocess.run(["ip", "netns", "exec", self.namespaces[1], "tc", "qdisc", "add", "dev", FABRIC_DEVICE,
+                        "root", "tbf", "rate", rate, "burst", "32kbit", "latency", "400ms"],
+                       check=True, capture_output=True, timeout=30)
+
+    def link_speed_prefix(self, node: int, mbits: int) -> list[str]:
+        """A command prefix (TrainJob's ``wrap``) that runs in node ``node``'s namespace with its
+        fabric port's sysfs ``speed`` reading ``mbits``: a veth's speed is fixed (10000), so the port
+        "trained at a lower speed" is a file bind-mounted over the attribute, in a mount namespace
+        of the command's own. Whatever reads the port's speed there (the node exporter) sees it;
+        the link itself is unchanged."""
+        fd, path = tempfile.mkstemp(prefix="rankscope-speed-")
+        os.write(fd, f"{mbits}\n".encode())
+        os.close(fd)
+        self._files.append(path)
+        script = f'mount --bind {path} /sys/class/net/{FABRIC_DEVICE}/speed && exec "$@"'
+        return [*self.exec_prefix(node), "unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
 
     # -- building and removing -------------------------------------------------------
     def __enter__(self) -> "Fabric":
@@ -131,5 +157,8 @@ class Fabric:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
         for dev in self._root_mgmt:   # gone with their peers; in case a build stopped half-way
             subprocess.run(["ip", "link", "del", dev], capture_output=True, timeout=30)
+        for path in self._files:
+            os.unlink(path)
+        self._files.clear()
         with _lock:
             _taken.discard(self.k)
