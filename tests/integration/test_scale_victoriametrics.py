@@ -58,6 +58,14 @@ SIMULATOR_HAS_NO = {
     ("rankscope-ranks", "Stages against each other"): "the simulated jobs are data-parallel: no pipeline stages",
     ("rankscope-run-overview", "Replicas in agreement"):
         "the simulator's recorded page predates the replica check: no rank publishes a fingerprint",
+    ("rankscope-communication", "Bus bandwidth per rank and op"):
+        "the simulator's recorded page predates bus bytes (rankscope_collective_bus_bytes_total)",
+    ("rankscope-communication", "Bus bandwidth per process group"):
+        "the simulator replays a gloo recording, which has no per-process-group durations",
+    ("rankscope-communication", "Link throughput against its speed"):
+        "the simulator serves no node network series (its recorded page was taken without them)",
+    ("rankscope-communication", "Queues held back and credit waits"):
+        "the simulator serves no node network series (its recorded page was taken without them)",
 }
 # Queries (panel, refId) of panels that otherwise have data.
 SIMULATOR_HAS_NO_QUERY = {
