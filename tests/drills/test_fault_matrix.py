@@ -161,7 +161,7 @@ FAULTS = (
     Fault("network_link_low_speed", (), "RankscopeFabricSlow", ranks=(), node="node-b", act="link_slow",
           fabric=True, link_speed_mbits=10, page_timeout=120.0, stops_the_job=False),
     # The same two namespaced nodes, healthy: nothing may be delivered.
-    Fault("network_healthy", (), "", ranks=(), fabric=True),
+    Fault("network_healthy", (), "", ranks=(), fabric=True, quiet_s=150.0),
     # ... and at the production settings (the shipped rules, scraped every 15 s), beside the faults.
     Fault("network_healthy_production", (), "", ranks=(), fabric=True, production=True, quiet_s=180.0),
     # Pipeline parallel, 4 ranks: 2 stages x 2 data-parallel replicas. The second stage holds
