@@ -64,6 +64,9 @@ IB_ERRORS = ("symbol_error", "port_rcv_errors", "port_xmit_discards", "link_erro
 IB_ECN = ("np_ecn_marked_roce_packets", "rp_cnp_handled")
 
 
+TC_H_ROOT = 0xFFFFFFFF   # the parent handle of a device's root queueing discipline
+
+
 @dataclass(frozen=True)
 class QueueStats:
     """A device's root queueing discipline, as netlink reports it."""
@@ -86,9 +89,6 @@ def netlink_queues() -> dict[str, QueueStats]:
             if queue is not None:
                 out[names[qdisc["index"]]] = QueueStats(queue["backlog"], queue["overlimits"], queue["drops"])
         return out
-
-
-TC_H_ROOT = 0xFFFFFFFF
 
 
 class NetworkCollector(Collector):
@@ -206,7 +206,6 @@ class NetworkCollector(Collector):
                 family = _family(name)
                 family.add_metric([self.node], tcp[key])
                 yield family
-
 
     def _ecn(self) -> Iterator[Metric]:
         ip = read_snmp(self.netstat).get("IpExt", {})
