@@ -329,34 +329,32 @@ COMM_BOUND = "(\n  " + _indent(hysteresis(
     lambda bar: f"rank_phase:rankscope_phase_seconds:fraction{{phase=\"comm_wait\"}} > {bar}",
     "<<comm_bound_ratio>>", "<<comm_bound_hold_ratio>>")) + "\n)" + WARM
 
-# Not for a run whose rate window holds only a few steps (steps of a minute or more): its rate
-# moves by a whole step at a time, and a stop shows as a stall or a hang instead.
-THROUGHPUT_DROP = "(\n  " + _indent(hysteresis(
-    "RankscopeThroughputDrop",
-    lambda bar: ("run:rankscope_steps:rate\n"
-                 f"< {bar} * avg_over_time(run:rankscope_steps:rate[<<throughput_baseline_window>>]"
-                 " offset <<throughput_baseline_offset>>)"),
-    "<<throughput_drop_ratio>>", "<<throughput_drop_hold_ratio>>", on="run")) + "\n)" \
-    "\nunless on (run) rank:rankscope_steps:warming_up" \
-    "\nand on (run) (run:rankscope_steps:rate offset <<throughput_baseline_offset>>" \
-    " * <<rate_window:seconds>> >= <<throughput_min_steps_per_window>>)"
+def _pace_drop(alert: str) -> str:
+    """The run's step rate below throughput_drop_ratio x its own level (held while ``alert`` is
+    pending or firing). Not for a run whose rate window holds only a few steps (steps of a minute
+    or more): its rate moves by a whole step at a time, and a stop shows as a stall or a hang instead."""
+    return "(\n  " + _indent(hysteresis(
+        alert,
+        lambda bar: ("run:rankscope_steps:rate\n"
+                     f"< {bar} * avg_over_time(run:rankscope_steps:rate[<<throughput_baseline_window>>]"
+                     " offset <<throughput_baseline_offset>>)"),
+        "<<throughput_drop_ratio>>", "<<throughput_drop_hold_ratio>>", on="run")) + "\n)" \
+        "\nunless on (run) rank:rankscope_steps:warming_up" \
+        "\nand on (run) (run:rankscope_steps:rate offset <<throughput_baseline_offset>>" \
+        " * <<rate_window:seconds>> >= <<throughput_min_steps_per_window>>)"
+
+
+THROUGHPUT_DROP = _pace_drop("RankscopeThroughputDrop")
 
 # The causes a run can train under for hours, slower than it could: its pace is theirs, so
-# ThroughputDrop is quiet while one stands. A run under one that then loses a large part of its
-# remaining pace is news (RankscopeRunSlowedFurther): the cause's own alerts keep their labels and
-# Alertmanager does not re-send them.
+# ThroughputDrop is quiet while one stands. A run under one since a baseline offset ago that then
+# loses a large part of its remaining pace is news (RankscopeRunSlowedFurther): the cause's own
+# alerts keep their labels and Alertmanager does not re-send them.
 PACE_CAUSES = "straggler|stage_imbalance|load_imbalance|input_bound|network_degraded|fabric_slow"
-RUN_SLOWED_FURTHER = "(\n  " + _indent(hysteresis(
-    "RankscopeRunSlowedFurther",
-    lambda bar: ("run:rankscope_steps:rate\n"
-                 f"< {bar} * avg_over_time(run:rankscope_steps:rate[<<throughput_baseline_window>>]"
-                 " offset <<throughput_baseline_offset>>)"),
-    "<<throughput_drop_ratio>>", "<<throughput_drop_hold_ratio>>", on="run")) + "\n)" \
-    "\nunless on (run) rank:rankscope_steps:warming_up" \
-    "\nand on (run) (run:rankscope_steps:rate offset <<throughput_baseline_offset>>" \
-    " * <<rate_window:seconds>> >= <<throughput_min_steps_per_window>>)" \
-    f"\nand on (run) run:rankscope_cause:present{{cause=~\"{PACE_CAUSES}\"}}" \
-    f"\nand on (run) run:rankscope_cause:present{{cause=~\"{PACE_CAUSES}\"}} offset <<throughput_baseline_offset>>"
+RUN_SLOWED_FURTHER = (
+    _pace_drop("RankscopeRunSlowedFurther")
+    + f"\nand on (run) run:rankscope_cause:present{{cause=~\"{PACE_CAUSES}\"}}"
+    + f"\nand on (run) run:rankscope_cause:present{{cause=~\"{PACE_CAUSES}\"}} offset <<throughput_baseline_offset>>")
 
 # Goodput: the share of the run's wall time that trained, averaged over its ranks
 # (a hung, idle or frozen rank counts its 0). Judged once the window lies after
