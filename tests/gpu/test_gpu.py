@@ -410,7 +410,7 @@ def test_fsdp2_and_explicit_collectives_are_counted_from_the_nccl_recorder(nccl_
             reader.poll(final=True)
             out: dict[str, float] = {}
             for (recorder, _), g in reader.groups.items():
-                for op, (c, _) in g.series.items():
+                for op, (c, *_) in g.series.items():   # (count, bytes, bus bytes)
                     out[f"{recorder}:{op}"] = out.get(f"{recorder}:{op}", 0) + c._value.get()
             return out
 
