@@ -98,6 +98,15 @@ NO_DATA_HERE = {
     ("rankscope-communication", "Collective duration p50 per process group", None):
         "gloo records no collective durations in torch's flight recorder (NCCL with timing on does; "
         "tests/gpu/test_gpu.py); checked: the query executes",
+    ("rankscope-communication", "Bus bandwidth per process group", None):
+        "gloo records no collective durations in torch's flight recorder, so no per-group bandwidth (NCCL with "
+        "timing on does); checked: the query executes",
+    ("rankscope-communication", "Link throughput against its speed", "B"):
+        "this machine's network devices report no speed (a virtual NIC's sysfs speed reads -1; the namespaced "
+        "fault-matrix nodes' veths read 10000); checked: the query executes",
+    ("rankscope-communication", "Queues held back and credit waits", "B"):
+        "no InfiniBand port on this machine (the fault matrix's slow links show the queue, query A); checked: "
+        "the query executes",
 }
 
 
