@@ -519,6 +519,13 @@ ALGORITHM_BANDWIDTH = "rank_op:rankscope_collective_algorithm_bandwidth_bytes:ra
 GROUP_BUS_BANDWIDTH = "rank_group_op:rankscope_process_group_bus_bandwidth_bytes:rate"
 RUN_BUS_BANDWIDTH = "run_op:rankscope_collective_bus_bandwidth_bytes:median"
 RUN_GROUP_BUS_BANDWIDTH = "run_group_op:rankscope_process_group_bus_bandwidth_bytes:median"
+# The run's level counts only ranks whose bandwidth window lies within their launch: one that reaches
+# back before it (the first minutes, a restart) holds start-up's collectives (peers arriving seconds
+# apart, the first buckets, the backend's connections), several times slower or faster than the
+# fabric carries a step's, and for a whole window. Read by FabricSlow now and in its baseline.
+BANDWIDTH_SETTLED = (
+    "\nand on (run, rank) (rankscope_steps_total{SEL} offset <<bandwidth_window>> > 0)"
+    "\nunless on (run, rank) (resets(rankscope_steps_total{SEL}[<<bandwidth_window>>]) > 0)")
 # Node data that show a constrained link (one series per node, device and kind of evidence): a queue
 # held back over its shaper's or policer's limit, an InfiniBand port waiting for credit, a link whose
 # speed is below the same device's on the fleet's other nodes, a link near its speed.
@@ -884,11 +891,12 @@ RECORDING_RULES: tuple[Record, ...] = (
     Record(BUS_BANDWIDTH,
            "rate(rankscope_collective_bus_bytes_total{SEL}[<<bandwidth_window>>])\n"
            "/ (rate(rankscope_collective_duration_seconds_sum{SEL}[<<bandwidth_window>>]) > 0)"),
-    Record(RUN_BUS_BANDWIDTH, "quantile by (run, op) (0.5, " + BUS_BANDWIDTH + ")"),
+    Record(RUN_BUS_BANDWIDTH, "quantile by (run, op) (0.5,\n  " + BUS_BANDWIDTH + _indent(BANDWIDTH_SETTLED) + "\n)"),
     Record(GROUP_BUS_BANDWIDTH,
            "sum without (group_id) (rate(rankscope_process_group_collective_bus_bytes_total{SEL}[<<bandwidth_window>>]))\n"
            "/ (rate(rankscope_process_group_collective_duration_seconds_sum{SEL}[<<bandwidth_window>>]) > 0)"),
-    Record(RUN_GROUP_BUS_BANDWIDTH, "quantile by (run, group, op) (0.5, " + GROUP_BUS_BANDWIDTH + ")"),
+    Record(RUN_GROUP_BUS_BANDWIDTH,
+           "quantile by (run, group, op) (0.5,\n  " + GROUP_BUS_BANDWIDTH + _indent(BANDWIDTH_SETTLED) + "\n)"),
     Record(FABRIC_NODE_EVIDENCE, FABRIC_NODE_EVIDENCE_EXPR),
     cause("fabric_slow", "RankscopeFabricSlow",
           FABRIC_SLOW + "\nunless on (run) run:rankscope_cause:present{cause=\"network_degraded\"}"),

@@ -71,6 +71,7 @@ SCORECARD_TARGET = 0.95   # of the interruptions, weighted by how often each cau
 
 STEPS = 100_000            # jobs run until the test ends them
 FAULT_STEP = 200           # ~10 s into training, after Prometheus's first scrape
+FABRIC_FAULT_STEP = 1800   # ~90 s in: once the run has a bandwidth level to fall from
 OBSERVE_AFTER_S = 20.0     # after the cause's delivery, how long other deliveries are awaited
 PARALLEL = 3               # slow-stepping jobs: three at a time fit on two cores
 
@@ -153,13 +154,16 @@ FAULTS = (
     # Node b's own port shaped to 2 Mbit/s with a deep queue: a slow link that drops nothing (a
     # lossless fabric, a NIC or PCIe link trained low). Steps slow tenfold and more, compute does
     # not: the fabric is named, with node b's queue held back over its limit; no rank's compute.
+    # The slow link comes at step 1800 (~90 s in): the run's bandwidth level counts only windows that
+    # lie within the launch (the fast bandwidth window is 1 m), and FabricSlow needs that level from
+    # a baseline offset (15 s) before.
     Fault("network_link_slow", (), "RankscopeFabricSlow", ranks=(), node="node-b", act="link_slow", fabric=True,
-          page_timeout=120.0, stops_the_job=False),
+          fault_step=FABRIC_FAULT_STEP, page_timeout=120.0, stops_the_job=False),
     # Node b's port trained at 10 Mbit/s against node a's 10 Gbit/s (a veth's speed is fixed: its
     # sysfs speed is a file bind-mounted for node b's processes; the link shaped to match): named
     # by its speed against the same port on the other node.
     Fault("network_link_low_speed", (), "RankscopeFabricSlow", ranks=(), node="node-b", act="link_slow",
-          fabric=True, link_speed_mbits=10, page_timeout=120.0, stops_the_job=False),
+          fabric=True, link_speed_mbits=10, fault_step=FABRIC_FAULT_STEP, page_timeout=120.0, stops_the_job=False),
     # The same two namespaced nodes, healthy: nothing may be delivered.
     Fault("network_healthy", (), "", ranks=(), fabric=True, quiet_s=150.0),
     # ... and at the production settings (the shipped rules, scraped every 15 s), beside the faults.
@@ -380,8 +384,9 @@ def run_fault(fault: Fault, rules: list[Path], am: AlertmanagerServer, hook: Web
                         out.before_fault.append(states_and_suspects(samples))
                     return fault_reached(fault, samples)
 
-                wait_until(reached, START_TIMEOUT + 60 * (fault.fault_step or 0) if fault.calm_until_fault
-                           else START_TIMEOUT, f"{fault.name}: the fault step")
+                # (at 10 steps/s or faster; a calm-until-fault drill's steps may take a minute)
+                wait_until(reached, START_TIMEOUT + (fault.fault_step or 0) * (60 if fault.calm_until_fault else 0.1),
+                           f"{fault.name}: the fault step")
                 if fault.act:
                     act(fault, jobs)
                 t_fault = time.time()
