@@ -67,6 +67,7 @@ from rankscope.replicas.check import ReplicaCheck
 from rankscope.step.accounting import StepAccounting
 from rankscope.step.goodput import Progress, TimeUse, process_start_perf
 from rankscope.step.handoff import StepHandoff
+from rankscope.step.watched import Watched
 from rankscope.step.judging import Judge, JudgeSettings
 from rankscope.step.timer import Step, StepTimer
 from rankscope.step.trace_feed import TraceFeed
@@ -127,17 +128,17 @@ class Monitor:
         except (RuntimeError, AssertionError, TypeError) as e:   # not a device, or no CUDA here
             raise ConfigError(f"device: {device!r} cannot be used: {e}") from None
         self.tracker = CollectiveTracker(self.device)
-        self.comm: comm_timing.CommTiming = comm_timing.CommTiming()
+        self.watched = Watched()   # what watch() attaches (comm timing, replica check): one holder
         # The step path, in the order a step travels it (docs/design.md, "A step, end to end").
         self.trace_feed = TraceFeed(self.tracing, self.tracker)
-        self.handoff = StepHandoff(self.device, self.errors, self.trace_feed)
-        self.steps = StepTimer(self.tracker, self.comm, self.handoff.step_ended, self.errors.drop,
+        self.handoff = StepHandoff(self.device, self.watched, self.errors, self.trace_feed)
+        self.steps = StepTimer(self.tracker, self.watched, self.handoff.step_ended, self.errors.drop,
                                functools.partial(self.errors.error, "step"))
         judge = Judge(JudgeSettings(cfg.loss_window, cfg.loss_ema_alpha, cfg.spike_zscore, cfg.spike_warmup_steps,
                                     cfg.grad_spike_factor))
         self.accounting = StepAccounting(judge, self.trace_feed,
                                          TimeUse(process_start_perf(), self._progress.completed), self._progress,
-                                         self.steps, self.errors)
+                                         self.steps, self.watched, self.errors)
         self.user_metrics = UserMetrics(self.metrics, self.errors, self.device)
         memory = MemorySampler(self.device)
         rank_info = RankInfo(self.identity, self.device, backend, self.registration, self.run_dir, self.metrics,
@@ -151,7 +152,8 @@ class Monitor:
         self.startup = StartupPhases(time.time() - (time.perf_counter() - process_start_perf()), initialized)
         # A torch built without distributed has no init_process_group to watch.
         self._restore_init = watch_init(self.startup) if dist.is_available() and not initialized else _nothing
-        self.publisher = Publisher(self.metrics, self.handoff, self.accounting, self.tracker, self.device, memory,
+        self.publisher = Publisher(self.metrics, self.handoff, self.accounting, self.watched, self.tracker,
+                                   self.device, memory,
                                    self.tracing, self.errors,
                                    FlightRecorder(self.run_dir, self.identity.rank, cfg.flight_recorder_after_s, ring),
                                    rank_info, self.stacks, self.flops, cfg.publish_interval_s, cfg.memory_every_s,
@@ -205,9 +207,8 @@ class Monitor:
         self._check_replicas(model)
         if not comm_timing.is_ddp(model):
             return model
-        self.comm = comm_timing.choose(self.config.comm_timing, model, self.tracker,
-                                       functools.partial(self.errors.error, "collectives"))
-        self.steps.comm = self.comm
+        self.watched.use_comm_timing(comm_timing.choose(self.config.comm_timing, model, self.tracker,
+                                                        functools.partial(self.errors.error, "collectives")))
         return model
 
     def _check_replicas(self, model: Any) -> None:
@@ -221,7 +222,7 @@ class Monitor:
             return
         if check is None:
             return
-        self.handoff.replica_check = self.publisher.replica_check = check
+        self.watched.check_replicas(check)
         if self._optimizer_hook is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -229,7 +230,7 @@ class Monitor:
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Every optimizer's step in the process (torch's global pre-hook); reads, never changes."""
-        check, step = self.handoff.replica_check, self.steps.step
+        check, step = self.watched.replica_check, self.steps.step
         if check is not None and step.open:
             try:
                 check.before_optimizer_step(step.number)

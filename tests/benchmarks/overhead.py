@@ -164,7 +164,7 @@ def _replica_check_cost(monitor, model, opt, batch, checks: int = 200) -> dict:
 
     import torch
 
-    check = monitor.handoff.replica_check
+    check = monitor.watched.replica_check
     if check is None:
         return {}
     torch.nn.functional.mse_loss(model(batch[0]), batch[1]).backward()

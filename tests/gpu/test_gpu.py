@@ -201,7 +201,7 @@ def test_an_instrumented_ddp_step_adds_no_sync(nccl_group, device_given):
     with open_monitor(backend="nccl", memory_every_s=0.05, **options) as monitor:
         model = monitor.watch(DDP(model_1k(), device_ids=[0]))
         assert monitor.device.cuda and monitor.device.index == 0   # Monitor(): learnt from the model
-        assert monitor.comm.mode == "hook"                          # comm_timing=auto on CUDA
+        assert monitor.watched.comm.mode == "hook"                          # comm_timing=auto on CUDA
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         x, y = torch.randn(256, 1024, device=DEVICE), torch.randn(256, 1024, device=DEVICE)
         lr = torch.full((), 1e-3, device=DEVICE)        # a scheduler's lr kept on the device

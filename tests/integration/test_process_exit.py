@@ -24,7 +24,7 @@ from tests.unit.test_monitor_api import LAUNCH_VARS
 EXIT_SCRIPT = textwrap.dedent("""
     import sys, time
     from rankscope.identity import RankIdentity
-    from rankscope.step.records import StepRecord, PhaseRecord
+    from rankscope.tracing.records import PhaseRecord, StepRecord
     from rankscope.tracing import build_tracing
     ident = RankIdentity(run="exit", rank=0, local_rank=0, world_size=1, local_world_size=1, node="n")
     tracing = build_tracing(ident, lambda: None, env={"OTEL_EXPORTER_OTLP_ENDPOINT": sys.argv[1]})

@@ -156,7 +156,7 @@ def run(scenario: str, steps: int, rank: int) -> dict:
             torch.cuda.synchronize()   # the test's own wait: the buckets' events are then complete
         monitor.publisher.flush()
         timed = sum(b.get() for b in monitor.metrics.collective("all_reduce").duration._buckets)
-        check = monitor.handoff.replica_check
+        check = monitor.watched.replica_check
         published = [x for m in monitor.metrics.family("rankscope_replica_fingerprint").collect()
                      for x in m.samples if x.labels["part"] == "all"]
         return {"equal_grads": equal_grads, "timed_all_reduces": timed,
@@ -164,7 +164,7 @@ def run(scenario: str, steps: int, rank: int) -> dict:
                 "replica_fingerprints": sorted({x.labels["of"] for x in published}),
                 "equal_weights": all(torch.equal(a, b) for a, b in pairs),
                 "max_diff": max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in pairs),
-                "strategy": monitor.comm.mode, "steps": steps}
+                "strategy": monitor.watched.comm.mode, "steps": steps}
     finally:
         monitor.close()
 

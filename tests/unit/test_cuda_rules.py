@@ -160,7 +160,7 @@ def test_ddp_with_the_python_reducer_gets_no_hook_and_trains_the_same(gloo_world
             opt.step()
             opt.zero_grad()
         if watch:
-            assert monitor.comm.mode == "off"
+            assert monitor.watched.comm.mode == "off"
             monitor.close()
         return [p.detach().clone() for p in model.parameters()]
 

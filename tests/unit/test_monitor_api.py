@@ -7,6 +7,7 @@ The same cases run as real torchrun jobs in tests/integration/test_loop_shapes.p
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 import time
@@ -19,6 +20,7 @@ import rankscope
 from rankscope import ConfigError, Monitor, UsageError
 from rankscope.device.rank_device import EventPool
 from rankscope.device.reads import MAX_PENDING, DeviceReads, DeviceValue
+from rankscope.step.records import DeviceValueRead, Overflow
 from tests.helpers.otlp_receiver import OtlpReceiver
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
@@ -398,8 +400,7 @@ def test_a_cuda_anomaly_found_after_the_step_is_traced(tmp_path, monkeypatch):
             context = m.trace_feed.context_of(step, 0.01)   # what the step leaves for a deferred CUDA value
             reads = DeviceReads(EventPool(DoneEvent), on_drop=lambda what, reason: None)
             reads._values.append(DeviceValue("loss", torch.tensor(math.nan), DoneEvent(), context))
-            for what, number, deferred_step in reads.ready_values():
-                m.accounting.device_value_ready(what, number, deferred_step)
+            m.accounting.take(collections.deque(), map(DeviceValueRead._make, reads.ready_values()), Overflow(), 0)
         finally:
             m.close()
         receiver.wait_for_spans(lambda s: any(x.attributes.get(ATTR_ANOMALY) for x in s), timeout=10)

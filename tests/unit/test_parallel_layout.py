@@ -135,7 +135,7 @@ def test_each_step_publishes_its_own_compute(clean_env, tmp_path):
         class Sampled(CommTiming):
             waits_known_each_step = False
 
-        m.steps.comm = Sampled()
+        m.watched.use_comm_timing(Sampled())
         with m.step() as step:
             with step.phase("forward"):
                 time.sleep(0.01)

@@ -17,7 +17,7 @@ from tests.helpers.otlp_receiver import BlackHole, OtlpReceiver, closed_port_end
 from rankscope.collectives.tracker import CollectiveRecord
 from rankscope.config import ConfigError
 from rankscope.identity import RankIdentity
-from rankscope.step.records import PhaseRecord, StepRecord
+from rankscope.tracing.records import PhaseRecord, StepRecord
 from rankscope.tracing import build_tracing
 from rankscope.tracing.api import (ATTR_ANOMALY, ATTR_BUCKET, ATTR_BYTES, ATTR_OP, ATTR_PHASE, ATTR_RANK,
                                    ATTR_REASON, ATTR_STEP, ROOT_SPAN, Tracing, TracingConfig, count_spans,

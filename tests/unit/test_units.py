@@ -403,7 +403,8 @@ def test_cuda_phases_come_from_events_read_later(tmp_path, monkeypatch):
         monitor = monitor_module.Monitor(exporter="off", metrics_dir=tmp_path, run="cuda-path", backend="nccl",
                                          publish_interval_s=60, device="cuda:0")
         try:
-            hook = monitor.comm = monitor.steps.comm = HookTiming(monitor.tracker, lambda: None)   # as watch() sets it
+            hook = HookTiming(monitor.tracker, lambda: None)
+            monitor.watched.use_comm_timing(hook)   # as watch() sets it
             with cuda.hold(), monitor.step(samples=4) as step:
                 with step.phase("forward"):
                     time.sleep(0.01)

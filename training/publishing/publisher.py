@@ -3,13 +3,12 @@
 Every ``interval_s`` (or at once when the training thread asks: an
 out-of-memory error), one publish runs one visible sequence:
 
-1. **take** the steps that ended (``StepHandoff.entries``) and have them worked
-   out: counted, their values read and judged, traced where sampled or
-   anomalous, their time placed for goodput (``StepAccounting.absorb``, in
-   GIL-releasing slices);
-2. **resolve** what the CUDA device has finished: collective timings, values
-   (judged as they arrive) and phase events (``rankscope.device.reads``);
-3. **write** the accumulator, goodput, health, collectives, memory, drops and
+1. **take**: resolve what the CUDA device has finished (collective timings,
+   values, phase events: ``rankscope.device.reads``), then hand the accounting,
+   in one call, the steps that ended (``StepHandoff.entries``), those device
+   reads, the steps counted without details and the OOM count
+   (``StepAccounting.take``, in GIL-releasing slices): it returns their totals;
+2. **write** those totals, goodput, health, collectives, memory, drops and
    ``rank_info`` to the mmap files the node exporter reads.
 
 One publish at a time: ``publish`` holds a lock, so a publish from another
@@ -39,6 +38,8 @@ from rankscope.publishing.startup import RankInfo
 from rankscope.publishing.startup_phases import StartupPhases
 from rankscope.step.accounting import GIL_YIELD_S, Accumulator, StepAccounting
 from rankscope.step.handoff import StepHandoff
+from rankscope.step.records import DevicePhasesRead, DeviceValueRead
+from rankscope.step.watched import Watched
 
 
 class SpanCounts(Protocol):
@@ -48,13 +49,14 @@ class SpanCounts(Protocol):
 
 
 class Publisher:
-    def __init__(self, metrics: RankMetrics, handoff: StepHandoff, accounting: StepAccounting,
+    def __init__(self, metrics: RankMetrics, handoff: StepHandoff, accounting: StepAccounting, watched: Watched,
                  tracker: CollectiveTracker, device: RankDevice, memory: MemorySampler, tracing: SpanCounts,
                  errors: TelemetryErrors, flight_recorder: FlightRecorder, rank_info: RankInfo, stacks: StackDumps,
                  flops: FlopsConfig, interval_s: float, memory_every_s: float, startup: StartupPhases | None = None):
         self._m = metrics
         self._handoff = handoff
         self._accounting = accounting
+        self._watched = watched            # the replica check, once watch() found replicas
         self._tracker = tracker
         self._device = device              # its reads, once the rank's CUDA device is known
         self._memory = memory
@@ -73,12 +75,10 @@ class Publisher:
         self._last_memory = 0.0
         self._device_described = False    # the CUDA device's memory and peak FLOP/s are written
         self._alloc_retries = 0.0
-        self._ooms_published = 0
         self._in_flight_published: dict[str, float] = {}
         self._published = {"spans": 0, "collective": 0}
         self._acc = Accumulator()          # what the steps since the last publish added up to
-        self.hold = LongestHold()          # the longest publish part, after the accounting's sliced absorb
-        self.replica_check: Any = None     # rankscope.replicas.check.ReplicaCheck, once a replicated model is watched
+        self.hold = LongestHold()          # the longest publish part, after the accounting's sliced take
 
     def start(self) -> None:
         self.publish()   # heartbeat and zeros visible before the first step
@@ -110,8 +110,7 @@ class Publisher:
             return
         try:
             self._acc = Accumulator()   # if taking the steps fails, the parts publish nothing twice
-            for component, part in (("publisher", self._take_steps), ("publisher", self._resolve_device),
-                                    ("publisher", self._write_steps), ("publisher", self._write_startup),
+            for component, part in (("publisher", self._take), ("publisher", self._write_steps), ("publisher", self._write_startup),
                                     ("publisher", self._write_time_use),
                                     ("collectives", self._write_collectives), ("memory", self._write_memory),
                                     ("replicas", self._write_replicas),
@@ -127,43 +126,27 @@ class Publisher:
         finally:
             self._lock.release()
 
-    # -- 1. take, 2. resolve ------------------------------------------------------------
-    def _take_steps(self) -> None:
-        """The steps that ended since the last publish, worked out (in GIL-releasing slices)."""
-        self.hold.stop()   # the absorb measures its own slices (StepAccounting.hold)
-        try:
-            self._accounting.absorb(self._handoff.entries)
-        finally:
-            self.hold.start()
-
-    def _resolve_device(self) -> None:
-        """What the CUDA device has finished: collective timings first (device steps need their
-        buckets' durations), then values (judged as they arrive) and phases. Then the
-        accumulator is taken, with the steps counted without details and the OOMs."""
+    # -- 1. take ------------------------------------------------------------------------
+    def _take(self) -> None:
+        """What the CUDA device has finished (collective timings first: device steps need their
+        buckets' durations), then everything since the last publish, worked out in one call."""
         reads = self._device.reads
-        accounting = self._accounting
+        device: list[DeviceValueRead | DevicePhasesRead] = []
         if reads is not None:
             with self._device.on_device():   # this thread's CUDA calls on the rank's device only
                 self._tracker.poll_device()
-                for what, number, step in reads.ready_values():
-                    accounting.device_value_ready(what, number, step)
-                for phases in reads.ready_steps():
-                    accounting.device_phases_ready(phases)
+                device.extend(map(DeviceValueRead._make, reads.ready_values()))
+                device.extend(map(DevicePhasesRead, reads.ready_steps()))
                 reads.deliver_user_values()
                 reads.deliver_arrays()
-        acc = self._acc = accounting.swap()
-        overflow = self._handoff.take_overflow()
-        if overflow.steps:
-            acc.steps += overflow.steps
-            acc.samples += overflow.samples
-            acc.tokens += overflow.tokens
-            if overflow.last_end >= acc.last_end:
-                acc.last_step, acc.last_duration, acc.last_end = \
-                    overflow.last_step, overflow.last_duration, overflow.last_end
-        ooms = self._handoff.ooms
-        acc.ooms, self._ooms_published = ooms - self._ooms_published, ooms
+        handoff = self._handoff
+        self.hold.stop()   # the accounting measures its own slices (StepAccounting.hold)
+        try:
+            self._acc = self._accounting.take(handoff.entries, device, handoff.take_overflow(), handoff.ooms)
+        finally:
+            self.hold.start()
 
-    # -- 3. write (each part writes a few dozen values at most: well under a millisecond) ----
+    # -- 2. write (each part writes a few dozen values at most: well under a millisecond) ----
     def _write_steps(self) -> None:
         m, acc = self._m, self._acc
         m.heartbeat.set(time.time())
@@ -179,8 +162,9 @@ class Publisher:
         observe_all(m.data_wait, acc.data_waits)
 
     def _write_replicas(self) -> None:
-        if self.replica_check is not None:
-            self.replica_check.publish()
+        check = self._watched.replica_check
+        if check is not None:
+            check.publish()
 
     def _write_startup(self) -> None:
         if self._startup is not None:
@@ -265,7 +249,7 @@ class Publisher:
             self._published["collective"] = collectives
 
 
-def write_step_values(m: Any, acc: Accumulator) -> None:
+def write_step_values(m: RankMetrics, acc: Accumulator) -> None:
     """The last step's number, time, compute, loss, gradient norm and learning rate, written in one
     stretch between the fences (``RankMetrics.values_fence_*``): the exporter never takes one
     step's loss beside another step's gradient norm (rankscope.exporter.reader)."""

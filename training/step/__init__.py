@@ -7,10 +7,11 @@
     judging     divergence (non-finite, spikes, explosions) and slow steps, on every value
     trace_feed  which steps become traces, and their records
     goodput     where the rank's wall time goes (TimeUse), and its completed steps (Progress)
+    watched     what watch() attached: the comm-timing strategy, the replica check (one holder)
     records     the records themselves
 """
 
-from rankscope.step.records import IntervalEnded, StepEnded, StepRecord, TraceContext
+from rankscope.step.records import IntervalEnded, StepEnded, TraceContext
 from rankscope.step.timer import Phase, Step, StepTimer
 
-__all__ = ["IntervalEnded", "Phase", "Step", "StepEnded", "StepRecord", "StepTimer", "TraceContext"]
+__all__ = ["IntervalEnded", "Phase", "Step", "StepEnded", "StepTimer", "TraceContext"]

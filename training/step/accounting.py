@@ -1,17 +1,20 @@
 """What the finished steps add up to: counts, durations, phases, values (publisher thread).
 
 The training thread hands each finished step over as it is
-(``rankscope.step.handoff``); before each publish the publisher has them
-worked out here (``absorb``) into an ``Accumulator``, which it then takes
-(``swap``) and writes out. A step is always counted, whatever its values: a
-bad value or a bug in judging it can never make a training rank look stuck (a
+(``rankscope.step.handoff``); once per publish the publisher gives this module
+everything that arrived since the last one, in one call (``take``): the ended
+steps and intervals, what the CUDA device finished (values, phases: entries of
+their own kinds, ``rankscope.step.records``), the steps counted without details
+and the out-of-memory count. It returns their totals (an ``Accumulator``),
+which it alone writes. A step is always counted, whatever its values: a bad
+value or a bug in judging it can never make a training rank look stuck (a
 stall alert on a run that trains is a false page).
 
 Each value is read here by the rules of ``rankscope.step.values``, judged once
-(``rankscope.step.judging``: divergence is judged on every value, not on what a
-scrape happens to see), and the step is traced if it is sampled or anomalous
-(``rankscope.step.trace_feed``). Its time goes to goodput
-(``rankscope.step.goodput``).
+(``rankscope.step.judging`` returns a verdict, applied here: divergence is
+judged on every value, not on what a scrape happens to see), and the step is
+traced if it is sampled or anomalous (``rankscope.step.trace_feed``). Its time
+goes to goodput (``rankscope.step.goodput``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import Any, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 from rankscope.contract.catalog import PHASES
 from rankscope.contract.thresholds import STRAGGLER_PHASES
@@ -27,9 +30,10 @@ from rankscope.errors import TelemetryErrors
 from rankscope.holds import LongestHold
 from rankscope.step import values
 from rankscope.step.goodput import Progress, TimeUse
-from rankscope.step.judging import Judge
-from rankscope.step.records import IntervalEnded, StepEnded, TraceContext
+from rankscope.step.judging import Judge, Verdict
+from rankscope.step.records import DevicePhasesRead, DeviceValueRead, IntervalEnded, Overflow, StepEnded, TraceContext
 from rankscope.step.trace_feed import TraceFeed
+from rankscope.step.watched import Watched
 
 ABSORB_SLICE_S = 0.0003      # the publisher works through ended steps in slices this long...
 GIL_YIELD_S = 0.0001         # ...sleeping this long between them (the GIL is free meanwhile)
@@ -46,8 +50,6 @@ def compute_seconds(phases: dict[str, float], with_backward: bool = True) -> flo
 
 class UnderWay(Protocol):
     """What the loop is doing now (``rankscope.step.timer.StepTimer``), read by the publisher."""
-
-    comm: Any   # how DDP's wait in backward is known (rankscope.collectives.comm_timing)
 
     def busy_since(self) -> float: ...
 
@@ -86,57 +88,56 @@ class Accumulator:
 
 
 class StepAccounting:
-    """Works out the finished steps (publisher thread only)."""
+    """Works out what arrived since the last publish (publisher thread only)."""
 
     def __init__(self, judge: Judge, trace_feed: TraceFeed, time_use: TimeUse, progress: Progress,
-                 loop: UnderWay, errors: TelemetryErrors):
+                 loop: UnderWay, watched: Watched, errors: TelemetryErrors):
         self._judge = judge
         self._trace_feed = trace_feed
         self._time_use = time_use       # goodput: where the wall time goes
         self._progress = progress       # the highest step the run completed, kept for a relaunch
         self._loop = loop
+        self._watched = watched         # how DDP's wait in backward is known (its comm timing)
         self._errors = errors
-        self._acc = Accumulator()
-        self.hold = LongestHold()       # the longest slice of absorb() between two GIL releases
+        self._ooms_taken = 0
+        self.hold = LongestHold()       # the longest slice of take() between two GIL releases
+        # One handler per kind of entry: the step path's records (rankscope.step.records).
+        self._handlers: dict[type, Callable[[Any, Accumulator, float], None]] = {
+            tuple: self._step, IntervalEnded: self._interval,
+            DeviceValueRead: self._device_value, DevicePhasesRead: self._device_phases}
 
-    def swap(self) -> Accumulator:
-        """The publisher takes what was worked out and leaves an empty accumulator."""
-        acc, self._acc = self._acc, Accumulator()
-        return acc
-
-    # -- the steps that ended ---------------------------------------------------------
-    def absorb(self, entries: deque) -> None:
-        """Work out the records that ended since the last call, oldest first.
+    def take(self, entries: deque, device: Iterable[DeviceValueRead | DevicePhasesRead], overflow: Overflow,
+             ooms: int) -> Accumulator:
+        """Everything since the last call, worked out: the steps and intervals that ended (taken
+        from ``entries``, oldest first), then what the device finished, the steps counted without
+        details, and the out-of-memory errors (``ooms``: the count so far). Returns the totals.
 
         In slices of at most ``ABSORB_SLICE_S``, with a short sleep between
         them: the sleep releases the GIL, so the training thread, if it waits
         for it, never waits longer than a slice. Left alone, a thread keeps the
         GIL for Python's switch interval (5 ms) before it must hand it over."""
+        acc = Accumulator()
         # Read first: what is under way now is attributed when it ends, after this drain.
         busy, step_since = self._loop.busy_since(), self._loop.open_step_since()
         now = time.perf_counter()
         to_unix = time.time() - now
         slice_end = now + ABSORB_SLICE_S
+        handlers = self._handlers
         self.hold.start()
-        while entries:
+        for entry in _oldest_first(entries, device):
             try:
-                entry = entries.popleft()
-                if type(entry) is IntervalEnded:
-                    self._absorb_interval(entry)
-                else:
-                    self._absorb_step(StepEnded._make(entry), to_unix)
+                handlers[type(entry)](entry, acc, to_unix)
             except Exception:
                 self._errors.error("step")
-            if time.perf_counter() > slice_end and entries:
+            if time.perf_counter() > slice_end:
                 self.hold.stop()
                 time.sleep(GIL_YIELD_S)
                 self.hold.start()
                 slice_end = time.perf_counter() + ABSORB_SLICE_S
         self._time_use.settle(now, busy, step_since, self._judge.median_step)
-        wall = self._time_use.take()
-        acc_wall = self._acc.wall
-        for k, v in wall.items():
-            acc_wall[k] = acc_wall.get(k, 0.0) + v
+        acc.wall = self._time_use.take()
+        _add_overflow(acc, overflow)
+        acc.ooms, self._ooms_taken = ooms - self._ooms_taken, ooms
         self.hold.stop()
         # Its own stretch: a file write and a rename, whose system calls let the GIL go
         # but count in this thread's CPU time.
@@ -144,28 +145,30 @@ class StepAccounting:
         self.hold.start()
         self._progress.save(self._time_use.highest_step)
         self.hold.stop()
+        return acc
 
-    def _absorb_interval(self, entry: IntervalEnded) -> None:
+    # -- one handler per kind of entry ----------------------------------------------------
+    def _interval(self, entry: IntervalEnded, acc: Accumulator, to_unix: float) -> None:
         if entry.category == "failed_step":
             self._time_use.failed_step(entry.t0, entry.t1)
         else:
             self._time_use.interval(entry.category, entry.t0, entry.t1)
 
-    def _absorb_step(self, e: StepEnded, to_unix: float) -> None:
+    def _step(self, entry: tuple, acc: Accumulator, to_unix: float) -> None:
+        e = StepEnded._make(entry)
         duration = e.t1 - e.t0
         waits = [b - a for name, a, b in e.phase_log if name == "data"]
         data = e.data_unlogged + sum(waits)
         self._time_use.step(e.number, e.numbered, e.t0, e.t1, data)
         start_unix = e.t0 + to_unix
-        acc = self._acc
         acc.steps += 1
         acc.durations.append(duration)
         acc.data_waits.extend(waits)
         phases = self._phases(e, duration)
         for k, v in phases.items():
             acc.phase[k] += v
-        if not e.on_device:   # a CUDA step's phases come later (device_phases_ready)
-            acc.last_compute = compute_seconds(phases, self._loop.comm.waits_known_each_step)
+        if not e.on_device:   # a CUDA step's phases come later (DevicePhasesRead)
+            acc.last_compute = compute_seconds(phases, self._watched.comm.waits_known_each_step)
         acc.samples += e.samples
         acc.tokens += e.tokens
         acc.last_step = e.number
@@ -176,9 +179,9 @@ class StepAccounting:
         lr = self._read("lr", e.lr, None)
         anomaly = ""
         if loss is not None:
-            anomaly = self._judge.loss(loss, acc)
+            anomaly = self._apply_loss(loss, acc)
         if grad is not None:
-            grad_anomaly = self._judge.grad_norm(grad, acc)
+            grad_anomaly = self._apply_grad_norm(grad, acc)
             anomaly = anomaly or grad_anomaly   # the loss is the primary signal
         if lr is not None:
             acc.lr = lr
@@ -187,6 +190,39 @@ class StepAccounting:
         if self._trace_feed.enabled:
             self._trace_feed.step(TraceContext(e.number, start_unix, e.t0, duration, e.phase_log, e.samples,
                                                e.tokens), anomaly, loss)
+
+    def _device_value(self, entry: DeviceValueRead, acc: Accumulator, to_unix: float) -> None:
+        what, number, step = entry
+        if what == "lr":
+            acc.lr = number
+            return
+        anomaly = self._apply_loss(number, acc) if what == "loss" else self._apply_grad_norm(number, acc)
+        if anomaly and step is not None:
+            # The loss is the primary signal; a grad anomaly is traced with no loss value.
+            self._trace_feed.submit(step, anomaly, number if what == "loss" else None)
+
+    def _device_phases(self, entry: DevicePhasesRead, acc: Accumulator, to_unix: float) -> None:
+        for k, v in entry.phases.items():
+            acc.phase[k] += v
+        acc.last_compute = compute_seconds(entry.phases, self._watched.comm.waits_known_each_step)
+
+    # -- the verdicts, applied ------------------------------------------------------------
+    def _apply_loss(self, loss: float, acc: Accumulator) -> str:
+        verdict: Verdict = self._judge.loss(loss)
+        acc.losses.append(loss)
+        if verdict.anomaly == "nonfinite_loss":
+            acc.nonfinite_loss += 1
+        else:
+            acc.loss_ema, acc.loss_z = verdict.ema, verdict.zscore
+            acc.loss_spikes += verdict.anomaly == "loss_spike"
+        return verdict.anomaly
+
+    def _apply_grad_norm(self, norm: float, acc: Accumulator) -> str:
+        verdict = self._judge.grad_norm(norm)
+        acc.grad_norms.append(norm)
+        acc.nonfinite_grad += verdict.anomaly == "nonfinite_grad"
+        acc.grad_spikes += verdict.anomaly == "grad_spike"
+        return verdict.anomaly
 
     @staticmethod
     def _phases(e: StepEnded, duration: float) -> dict[str, float]:
@@ -223,19 +259,21 @@ class StepAccounting:
         self._errors.drop("value", f"{what}: a CUDA value the device reads did not take")
         return None
 
-    # -- what the device has finished --------------------------------------------------
-    def device_value_ready(self, what: str, number: float, step: TraceContext | None) -> None:
-        """A CUDA ``loss``, ``grad_norm`` or ``lr`` value, read once the device was done with it."""
-        acc = self._acc
-        if what == "lr":
-            acc.lr = number
-            return
-        anomaly = self._judge.loss(number, acc) if what == "loss" else self._judge.grad_norm(number, acc)
-        if anomaly and step is not None:
-            # The loss is the primary signal; a grad anomaly is traced with no loss value.
-            self._trace_feed.submit(step, anomaly, number if what == "loss" else None)
 
-    def device_phases_ready(self, phases: dict[str, float]) -> None:
-        for k, v in phases.items():
-            self._acc.phase[k] += v
-        self._acc.last_compute = compute_seconds(phases, self._loop.comm.waits_known_each_step)
+def _oldest_first(entries: deque, device: Iterable) -> Iterator:
+    """The handed-over entries, taken as they are read (an entry handed over meanwhile is taken
+    too; one left by a failed publish stays for the next), then the device's."""
+    while entries:
+        yield entries.popleft()
+    yield from device
+
+
+def _add_overflow(acc: Accumulator, overflow: Overflow) -> None:
+    """Steps the training thread counted without details (the publisher was far behind)."""
+    if not overflow.steps:
+        return
+    acc.steps += overflow.steps
+    acc.samples += overflow.samples
+    acc.tokens += overflow.tokens
+    if overflow.last_end >= acc.last_end:
+        acc.last_step, acc.last_duration, acc.last_end = overflow.last_step, overflow.last_duration, overflow.last_end

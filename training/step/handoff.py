@@ -25,19 +25,23 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rankscope.device.rank_device import RankDevice
 from rankscope.device.reads import DeviceStep
 from rankscope.errors import TelemetryErrors
 from rankscope.step import values
-from rankscope.step.records import IntervalEnded, StepEnded, TraceContext
+from rankscope.step.records import IntervalEnded, Overflow, StepEnded, TraceContext
 from rankscope.step.trace_feed import TraceFeed
+from rankscope.step.watched import Watched
+
+if TYPE_CHECKING:
+    from rankscope.collectives.comm_timing import CommTiming
+    from rankscope.device.reads import DeviceReads
+    from rankscope.step.timer import Step
 
 MAX_PENDING_STEPS = 10_000   # finished steps buffered between two publishes
 OOM_PUBLISH_WAIT_S = 1.0     # how long the training thread waits for the publish an OOM asks for
-
 
 
 class PublishNow:
@@ -76,23 +80,12 @@ class PublishNow:
             self._cond.notify_all()
 
 
-@dataclass
-class Overflow:
-    """Steps counted without their details, while the publisher was far behind."""
-
-    steps: int = 0
-    samples: int = 0
-    tokens: int = 0
-    last_step: int = -1
-    last_duration: float = 0.0
-    last_end: float = 0.0
-
-
 class StepHandoff:
     """Hands each finished step and interval to the publisher (training thread)."""
 
-    def __init__(self, device: RankDevice, errors: TelemetryErrors, trace_feed: TraceFeed):
+    def __init__(self, device: RankDevice, watched: Watched, errors: TelemetryErrors, trace_feed: TraceFeed):
         self._device = device
+        self._watched = watched   # the comm timing and the replica check, as watch() left them
         # A host without CUDA never sees a CUDA value: its steps skip looking for one (a few
         # attribute reads per value, cache-cold right after the step's tensor work).
         self._cuda_possible = device.api.available()
@@ -106,19 +99,19 @@ class StepHandoff:
         self.ooms = 0                # out-of-memory errors inside steps, cumulative (the publisher takes deltas)
         self._overflow = Overflow()
         self._overflow_lock = threading.Lock()
-        self.replica_check: Any = None   # rankscope.replicas.check.ReplicaCheck, once a replicated model is watched
 
     # -- training thread -------------------------------------------------------
-    def step_ended(self, s: Any, t1: float, exc: BaseException | None) -> None:
-        """``s``: the ``rankscope.step.timer.Step`` that just ended (its fields are read here, once)."""
+    def step_ended(self, s: Step, t1: float, exc: BaseException | None) -> None:
+        """``s``: the step that just ended (its fields are read here, once)."""
         if exc is not None:
             self._failed(s, t1, exc)
             return
         loss, grad, lr = s.loss, s.grad_norm, s.lr
         exposed = 0.0
         on_device = False
+        watched = self._watched
         try:
-            comm = s.timer.comm   # the comm_timing strategy (Monitor.watch() may replace it)
+            comm = watched.comm
             if comm.mode != "off":
                 exposed = self._exposed_wait(comm, s)
                 comm.step_ended()
@@ -140,7 +133,7 @@ class StepHandoff:
             self.entries.append(ended)
         else:
             self._overflowed(ended)
-        check = self.replica_check
+        check = watched.replica_check
         if check is not None and not s.number % check.every:
             try:
                 check.step_ended(s.number)
@@ -158,7 +151,7 @@ class StepHandoff:
         return overflow
 
     # -- the parts of a step end -------------------------------------------------
-    def _exposed_wait(self, comm: Any, s: Any) -> float:
+    def _exposed_wait(self, comm: CommTiming, s: Step) -> float:
         if not s.backward_end:
             return 0.0
         backward = sum(b - a for name, a, b in s.phase_log if name == "backward")
@@ -176,7 +169,7 @@ class StepHandoff:
                 return self._device.bind(index)
         return False
 
-    def _defer_to_device(self, s: Any, t1: float, comm: Any) -> tuple[Any, Any, Any]:
+    def _defer_to_device(self, s: Step, t1: float, comm: CommTiming) -> tuple[Any, Any, Any]:
         """CUDA: queue the phase events and the values' copies now, on the device's stream."""
         duration = t1 - s.t0
         data = s.data_unlogged + sum(b - a for name, a, b in s.phase_log if name == "data")
@@ -187,7 +180,7 @@ class StepHandoff:
                 self._defer_value(reads, "grad_norm", s.grad_norm, context),
                 self._defer_value(reads, "lr", s.lr, context))
 
-    def _defer_value(self, reads: Any, what: str, value: Any, context: TraceContext | None) -> Any:
+    def _defer_value(self, reads: DeviceReads, what: str, value: Any, context: TraceContext | None) -> Any:
         """A device tensor (or a sequence holding one) is reduced here, on the training thread,
         and goes to the device reads (None is left); anything else is read later."""
         if value is None or type(value) is float or self._device.device_of(value) is None:
@@ -212,7 +205,7 @@ class StepHandoff:
             o.last_end = time.time() - (time.perf_counter() - ended.t1)
         self._errors.drop("step_duration", f"more than {MAX_PENDING_STEPS} steps between two publishes")
 
-    def _failed(self, s: Any, t1: float, exc: BaseException) -> None:
+    def _failed(self, s: Step, t1: float, exc: BaseException) -> None:
         self.entries.append(IntervalEnded("failed_step", s.t0, t1))
         if not _is_oom(exc):
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 SLOW_STEP_FACTOR = 3.0       # a step this many times the running median is traced as an anomaly
 SLOW_STEP_FLOOR_S = 0.001    # ...if it took at least this long: µs-scale steps jitter by more than 3x
@@ -103,9 +104,20 @@ class GradNormTracker:
         return False, explosion
 
 
+class Verdict(NamedTuple):
+    """The verdict on one value: its anomaly ("" for none) and, for a finite loss, the loss's
+    moving average and z-score after it. The accounting applies it (``rankscope.step.accounting``)."""
+
+    anomaly: str = ""    # "", "nonfinite_loss", "loss_spike", "nonfinite_grad", "grad_spike"
+    ema: float = math.nan
+    zscore: float = math.nan
+
+
+FINE = Verdict()
+
+
 class Judge:
-    """The verdict on each value and step, as an anomaly name ("" for none), with the counts
-    written into the publish's accumulator (``rankscope.step.accounting.Accumulator``)."""
+    """The verdict on each value and step; it writes nothing but its own running statistics."""
 
     def __init__(self, settings: JudgeSettings):
         self._loss = LossTracker(settings.loss_window, settings.loss_ema_alpha, settings.spike_zscore,
@@ -113,28 +125,17 @@ class Judge:
         self._grad = GradNormTracker(settings.grad_spike_factor)
         self.median_step = 0.0   # a running median-like estimate of the step's duration (seconds)
 
-    def loss(self, loss: float, acc) -> str:
+    def loss(self, loss: float) -> Verdict:
         verdict = self._loss.observe(loss)
-        acc.losses.append(loss)
         if verdict.nonfinite:
-            acc.nonfinite_loss += 1
-            return "nonfinite_loss"
-        acc.loss_ema, acc.loss_z = verdict.ema, verdict.zscore
-        if verdict.spike:
-            acc.loss_spikes += 1
-            return "loss_spike"
-        return ""
+            return Verdict("nonfinite_loss")
+        return Verdict("loss_spike" if verdict.spike else "", verdict.ema, verdict.zscore)
 
-    def grad_norm(self, norm: float, acc) -> str:
+    def grad_norm(self, norm: float) -> Verdict:
         nonfinite, explosion = self._grad.observe(norm)
-        acc.grad_norms.append(norm)
         if nonfinite:
-            acc.nonfinite_grad += 1
-            return "nonfinite_grad"
-        if explosion:
-            acc.grad_spikes += 1
-            return "grad_spike"
-        return ""
+            return Verdict("nonfinite_grad")
+        return Verdict("grad_spike") if explosion else FINE
 
     def slow_step(self, number: int, duration: float) -> bool:
         """Whether the step took far longer than usual; the running estimate learns it either way."""

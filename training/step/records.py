@@ -3,18 +3,20 @@
 * ``StepEnded``: a finished step, handed from the training thread
   (``rankscope.step.handoff``) to the publisher (``rankscope.step.accounting``);
 * ``IntervalEnded``: a checkpoint or evaluation block, or a step an exception cut short;
+* ``DeviceValueRead`` / ``DevicePhasesRead``: what the CUDA device finished for a step
+  that ended earlier (its values, its phases), worked out in the same loop as the above;
+* ``Overflow``: steps counted without their details while the publisher was far behind;
 * ``TraceContext``: enough of a step to trace it later (a CUDA anomaly is known
   only once the device is done);
-* ``StepRecord`` / ``PhaseRecord``: a traced step as the tracer takes it
-  (``rankscope.tracing``).
+
+A traced step, as the tracer takes it, is the tracer's own record
+(``rankscope.tracing.records``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
-
-from rankscope.collectives.tracker import CollectiveRecord
 
 
 class StepEnded(NamedTuple):
@@ -62,23 +64,27 @@ class TraceContext:
     tokens: int = 0
 
 
-@dataclass(slots=True)
-class PhaseRecord:
-    name: str
-    start: float      # unix seconds
-    duration: float   # seconds
+class DeviceValueRead(NamedTuple):
+    """A CUDA ``loss``, ``grad_norm`` or ``lr``, read once the device was done with it."""
+
+    what: str
+    number: float
+    step: TraceContext | None   # the step it belongs to, to trace it if it is an anomaly
 
 
-@dataclass(slots=True)
-class StepRecord:
-    """One completed step, as the tracer needs it (built only for traced steps)."""
+class DevicePhasesRead(NamedTuple):
+    """A CUDA step's seconds per phase, from its events, once the device was done with them."""
 
-    step: int
-    start: float                     # unix seconds
-    duration: float                  # seconds
-    phases: list[PhaseRecord] = field(default_factory=list)
-    collectives: list[CollectiveRecord] = field(default_factory=list)
+    phases: dict[str, float]
+
+
+@dataclass
+class Overflow:
+    """Steps counted without their details, while the publisher was far behind."""
+
+    steps: int = 0
     samples: int = 0
     tokens: int = 0
-    loss: float | None = None
-    anomaly: str = ""                # "", "loss_spike", "nonfinite_loss", "nonfinite_grad", "grad_spike", "slow_step", "oom"
+    last_step: int = -1
+    last_duration: float = 0.0
+    last_end: float = 0.0

@@ -24,8 +24,10 @@ import time
 from time import perf_counter
 from typing import Any, Callable
 
+from rankscope.collectives.tracker import CollectiveTracker
 from rankscope.contract.catalog import PHASES
 from rankscope.errors import UsageError
+from rankscope.step.watched import Watched
 
 MAX_PENDING_FETCHES = 10_000   # batches fetched before one step whose waits are logged one by one
 
@@ -62,7 +64,7 @@ class Phase:
                 step.timer.on_error()
         if self.is_backward:
             # A rank blocked in backward may be waiting on its peers' all-reduce.
-            op = step.timer.comm.backward_in_flight
+            op = step.timer.watched.comm.backward_in_flight
             if op is not None:
                 self.token = step.timer.tracker.mark(op, time.time())
         self.t0 = perf_counter()
@@ -176,11 +178,12 @@ class Step:
 class StepTimer:
     """Starts and ends steps, and keeps the data wait between them."""
 
-    def __init__(self, tracker: Any, comm: Any, on_end: Callable[[Step, float, BaseException | None], None],
+    def __init__(self, tracker: CollectiveTracker, watched: Watched,
+                 on_end: Callable[[Step, float, BaseException | None], None],
                  on_drop: Callable[[str, str], None], on_error: Callable[[], None] = lambda: None):
         self.tracker = tracker
         self.device = tracker.device         # device.RankDevice: CUDA once known
-        self.comm = comm                     # comm_timing.CommTiming; replaced by Monitor.watch()
+        self.watched = watched               # the comm timing (DDP's wait in backward), as watch() left it
         self.on_drop = on_drop
         self.on_error = on_error
         self._on_end = on_end
@@ -266,7 +269,7 @@ class StepTimer:
         events = s.events = device.events
         if events is not None:
             s.stream = device.stream()
-        comm = self.comm
+        comm = self.watched.comm
         if comm.mode != "off":
             comm.step_started()
 

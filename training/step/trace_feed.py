@@ -12,8 +12,9 @@ import time
 from typing import Any
 
 from rankscope.collectives.tracker import CollectiveTracker
-from rankscope.step.records import PhaseRecord, StepRecord, TraceContext
+from rankscope.step.records import TraceContext
 from rankscope.tracing.api import Tracing
+from rankscope.tracing.records import PhaseRecord, StepRecord
 
 
 class TraceFeed:

@@ -6,7 +6,8 @@
 * ``span_process``: the rank's span process: records are pickled to a child
   process, which builds and exports the spans;
 * ``otlp``: the span pipeline the child runs (the OpenTelemetry SDK, batched, every
-  drop counted).
+  drop counted);
+* ``records``: a traced step as the tracer takes it (``StepRecord``).
 """
 
 from __future__ import annotations

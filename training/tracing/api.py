@@ -49,7 +49,7 @@ from urllib.parse import urlsplit
 
 from rankscope.contract.environment import ConfigError, env_value
 from rankscope.identity import RankIdentity
-from rankscope.step.records import StepRecord
+from rankscope.tracing.records import StepRecord
 
 log = logging.getLogger("rankscope")
 

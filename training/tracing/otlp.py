@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 from rankscope.holds import LongestHold
 from rankscope.identity import RankIdentity
-from rankscope.step.records import StepRecord
+from rankscope.tracing.records import StepRecord
 from rankscope.tracing.api import (ATTR_ANOMALY, ATTR_BUCKET, ATTR_BYTES, ATTR_LOSS, ATTR_OP, ATTR_PHASE, ATTR_RANK,
                                    ATTR_REASON, ATTR_SAMPLES, ATTR_STEP, ATTR_TOKENS, DEFAULT_SERVICE_NAME,
                                    EXPORT_CHUNK, RETRY_AFTER_S, ROOT_SPAN, QueuedTracing, TracingConfig, count_spans,

@@ -39,7 +39,7 @@ from typing import IO, Callable, Mapping
 
 from rankscope.holds import LongestHold
 from rankscope.identity import RankIdentity
-from rankscope.step.records import StepRecord
+from rankscope.tracing.records import StepRecord
 from rankscope.tracing.api import QueuedTracing, TracingConfig, count_spans, resource_attributes
 from rankscope.tracing.otlp import OtlpTracing
 
