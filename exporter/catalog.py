@@ -9,22 +9,10 @@ from __future__ import annotations
 
 from rankscope.contract.catalog import BY_NAME as RANK_BY_NAME
 from rankscope.contract.catalog import MetricSpec
+# Rank states, one-hot in rankscope_rank_state: defined once, in the contract the readers share
+# (imported from here by the exporter's modules).
+from rankscope.contract.states import LIVE_STATES, RANK_STATES, STALLED_STATES
 
-# Rank states, one-hot in rankscope_rank_state (docs/design.md, "Rank states").
-RANK_STATES: tuple[str, ...] = (
-    "starting",             # registered, no step completed yet, not stuck
-    "progressing",          # steps complete
-    "busy",                 # in a checkpoint or evaluation block it declared (monitor.checkpoint(), .evaluation())
-    "stuck_in_collective",  # heartbeating, no step for a while, inside a collective
-    "stuck",                # heartbeating, no step for a while, outside any collective
-    "frozen",               # process alive, heartbeat stopped (SIGSTOP, GIL held in native code)
-    "dead",                 # process gone without finishing, or its monitor ended on an exception
-    "finished",             # the monitor was closed after the loop completed (no exception on the way)
-)
-# The states of a rank that is alive and not stepping: what a reader counts as stalled.
-STALLED_STATES: tuple[str, ...] = ("stuck_in_collective", "stuck", "frozen")
-# The states of a live process (starting up, stepping, or stalled).
-LIVE_STATES: tuple[str, ...] = ("starting", "progressing", "busy") + STALLED_STATES
 
 THROTTLE_REASONS: tuple[str, ...] = (
     "gpu_idle",

@@ -58,12 +58,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client.mmap_dict import MmapedDict, mmap_key
+from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from rankscope.contract.rundir import (RANKS_SUBDIR, Registration, db_file_pid, latest_per_rank,
-                                       load_registrations, reg_filename)
-from rankscope.exporter.reader import DbFile
+from rankscope.contract.mmap_layout import db_file_pid, db_name, entry_key
+from rankscope.contract.rundir import RANKS_SUBDIR, Registration, latest_per_rank, load_registrations, reg_filename
+from rankscope.exporter.db_file import DbFile
 
 log = logging.getLogger("rankscope.exporter")
 
@@ -178,7 +178,7 @@ class Compactor:
         written: list[tuple[Path, Path | None]] = []    # (temporary file or None: nothing left, target)
         try:
             for kind, paths in work.items():
-                target = run_dir / f"{kind}_{keeper.pid}.db"
+                target = run_dir / db_name(kind, keeper.pid)
                 written.append((_write_compacted(kind, paths, target), target))
             with (lock if lock is not None else nullcontext()):
                 changed = [p for p, ident in identities.items() if _identity(p) != ident]
@@ -231,7 +231,7 @@ def _write_compacted(kind: str, paths: list[Path], target: Path) -> Path | None:
         for metric in MultiProcessCollector.merge([str(p) for p in paths], accumulate=False):
             for s in metric.samples:
                 names = tuple(s.labels)
-                key = mmap_key(metric.name, s.name, names, tuple(s.labels[n] for n in names), metric.documentation)
+                key = entry_key(metric.name, s.name, names, tuple(s.labels[n] for n in names), metric.documentation)
                 entries.append((key, s.value, 0.0))
     else:   # mostrecent gauges: the value with the latest timestamp, and that timestamp
         best: dict[tuple, list] = {}
@@ -248,7 +248,7 @@ def _write_compacted(kind: str, paths: list[Path], target: Path) -> Path | None:
                     current[1], current[2] = value, stamp
         for (metric_name, name, labels), (help_text, value, stamp) in best.items():
             if stamp > 0:
-                key = mmap_key(metric_name, name, [k for k, _ in labels], [v for _, v in labels], help_text)
+                key = entry_key(metric_name, name, [k for k, _ in labels], [v for _, v in labels], help_text)
                 entries.append((key, value, stamp))
     if not entries:
         return None

@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -50,7 +51,7 @@ from typing import Any, Iterable, Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from rankscope.contract.rundir import (EVIDENCE_SUBDIR, FLIGHT_RECORDER_SUBDIR, Registration, process_state,
-                                      stat_state)
+                                      run_slug, stat_state)
 from rankscope.exporter.catalog import BY_NAME
 
 log = logging.getLogger("rankscope.exporter")
@@ -66,6 +67,12 @@ OUTSIDE_COLLECTIVE = ("user code", "data loader")
 _TICK = os.sysconf("SC_CLK_TCK")
 _THREAD_HEADER = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+
+
+def evidence_path(run_dir_name: str, rank: int) -> str:
+    """The path of a rank's evidence page, its run directory's name URL-quoted (a link must never
+    depend on what a run id holds; the server accepts the quoted and the raw form, and the run id)."""
+    return f"/evidence/{urllib.parse.quote(run_dir_name, safe='')}/{rank}"
 
 
 def trigger_of(state: str, suspect: bool, reg: Registration) -> str | None:
@@ -194,6 +201,21 @@ class EvidenceKeeper:
             return None
         return next((p for p in flight_recorder_dumps(run_dirs[slug], rank) if p.name == name), None)
 
+    def run_dir_name(self, segment: str) -> str | None:
+        """The run directory a link's path segment names, or None: the directory's own name, or the
+        run id (the directory is ``run_slug(run id)``: a run id such as ``10.0.0.1:29500``, the
+        MASTER_ADDR:MASTER_PORT fallback, is not its directory's name), each as is or URL-quoted."""
+        try:
+            names = {p.name for p in self.cfg.directory.iterdir() if p.is_dir()}
+        except OSError:
+            return None
+        for candidate in dict.fromkeys((segment, urllib.parse.unquote(segment))):
+            if candidate in names:
+                return candidate
+            if candidate and run_slug(candidate) in names:
+                return run_slug(candidate)
+        return None
+
     def find(self, slug: str, rank: int, episode: int | None = None) -> dict | None:
         """The newest capture of a rank of the run whose directory is ``slug`` (or its ``episode``)."""
         found = [c for c in self.captures() if c.get("run_dir") == slug and c.get("rank") == rank
@@ -229,7 +251,7 @@ class EvidenceKeeper:
             "run": reg.run, "run_dir": job.run_dir.name, "rank": reg.rank, "local_rank": reg.local_rank,
             "node": reg.node, "pid": reg.pid, "episode": job.episode.number, "trigger": job.episode.trigger,
             "state": job.state, "captured_at": time.time(),
-            "path": f"/evidence/{job.run_dir.name}/{reg.rank}",
+            "path": evidence_path(job.run_dir.name, reg.rank),
             "collectives": {"in_flight": job.in_flight, "groups": job.groups,
                             "flight_recorder": [p.name for p in flight_recorder_dumps(job.run_dir, reg.rank)]},
         }

@@ -25,12 +25,12 @@ from typing import Iterable, Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from rankscope.exporter.catalog import BY_NAME as EXPORTER_SPECS
-from rankscope.exporter.catalog import RANK_STATES
 from rankscope.exporter.cardinality import reduce_histograms
 from rankscope.exporter.config import ExporterConfig
 from rankscope.exporter.evidence import EvidenceKeeper
 from rankscope.exporter.reader import MergedFamily, Reader
 from rankscope.contract.catalog import BLOCKS, COLLECTIVE_OPS, EAGER_COLLECTIVE_OPS, IDENTITY_LABELS
+from rankscope.contract.states import ENDED_STATES, RANK_STATES
 from rankscope.contract.rundir import (RANKS_SUBDIR, Registration, db_file_pid, latest_per_rank,
                                        load_registrations, process_state)
 
@@ -112,7 +112,7 @@ def derive_states(views: list[RankView], cfg: ExporterConfig, now: float) -> Non
         return
     for v in views:
         stalled = now - max(v.progress_at, blocks_ended)
-        if v.state in ("dead", "finished"):
+        if v.state in ENDED_STATES:
             continue
         outside = not v.in_flight or v.state == "frozen"
         # Between two long steps a rank is outside any collective for a while: not a suspect.
@@ -336,7 +336,7 @@ def _add_view(families: dict[str, GaugeMetricFamily], v: RankView, now: float) -
         families["rankscope_rank_failure_info"].add_metric(ident + [v.reg.exception], 1.0)
         if v.reg.failed_at:
             families["rankscope_rank_failed_timestamp_seconds"].add_metric(ident + [v.reg.exception], v.reg.failed_at)
-    if v.state in ("dead", "finished"):
+    if v.state in ENDED_STATES:
         return
     families["rankscope_step_stalled_seconds"].add_metric(ident, max(now - v.progress_at, 0.0))
     if v.heartbeat:

@@ -5,10 +5,10 @@ prometheus_client merges them.
 scrape, decodes every entry's key with ``json.loads`` and rebuilds every
 sample; rendering then escapes every label of every sample again. Here:
 
-* **A key is parsed once.** An entry of a file is its key (JSON: metric name,
-  sample name, labels, help) followed by a value and a timestamp; the key
+* **A key is parsed once** (``rankscope.exporter.db_file``). An entry of a file is its key
+  (JSON: metric name, sample name, labels, help) followed by a value and a timestamp; the key
   bytes never change once written, only the 16 value bytes do
-  (``prometheus_client.mmap_dict``). Each file's parsed keys are kept between
+  (``rankscope.contract.mmap_layout``). Each file's parsed keys are kept between
   scrapes, with one ``struct.Struct`` that unpacks every value of the file
   (and the key bytes, to check them) in one call.
 * **Change is detected by content.** The files are written in place through
@@ -49,10 +49,6 @@ of two types, a stored ``_count`` of a histogram) makes the run fall back to
 
 from __future__ import annotations
 
-import json
-import os
-import struct
-import time
 from pathlib import Path
 from typing import Iterable
 
@@ -61,173 +57,23 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-from rankscope.contract.catalog import FENCE_METRICS, VALUES_FENCE_BEGIN, VALUES_FENCE_END
+from rankscope.contract.catalog import FENCE_METRICS
+from rankscope.exporter.db_file import CorruptFile, DbFile
 
-_INT = struct.Struct("=i").unpack_from
-_FIRST_READ = 16384
+__all__ = ["CorruptFile", "DbFile", "FENCE_NAMES", "MergedFamily", "Reader"]
+
 
 # prometheus_client strips its own ``pid`` label from gauges in these modes.
 _PID_STRIPPED = frozenset(("min", "livemin", "max", "livemax", "sum", "livesum", "mostrecent", "livemostrecent"))
 
 FENCE_NAMES = frozenset(spec.name for spec in FENCE_METRICS)
-_FENCE_KEYS = tuple(f'["{name}", "{name}"'.encode() for name in (VALUES_FENCE_END, VALUES_FENCE_BEGIN))
-FENCE_TRIES = 5            # reads of a file caught mid-write before its last whole copy is kept
-FENCE_TRIES_FIRST = 100    # ... for a file never read whole yet (there is no last whole copy)
-FENCE_RETRY_S = 0.0002     # the publisher writes a step's values in microseconds
 
 # How an entry's value is combined into its merged slot.
 SUM, MOSTRECENT, LAST, MIN, MAX = range(5)
 
 
-class CorruptFile(RuntimeError):
-    pass
-
-
 class _Unsupported(Exception):
     """A layout the replay does not model exactly: use prometheus_client's merge."""
-
-
-class DbFile:
-    """One multiprocess file as last read: its parsed entries and latest values."""
-
-    __slots__ = ("path", "typ", "mode", "pid", "ident", "data", "end", "keys", "parsed", "struct", "values",
-                 "stamps", "version", "fences", "torn", "_intern")
-
-    _versions = 0
-
-    def __init__(self, path: str, intern: dict | None = None):
-        self.path = path
-        # Strings and label tuples shared by the files of a run (every rank's entries
-        # repeat the run, node, metric names and help texts).
-        self._intern = intern if intern is not None else {}
-        parts = os.path.basename(path).split("_")
-        self.typ = parts[0]
-        # As MultiProcessCollector._read_metrics reads a gauge file's name.
-        self.mode = parts[1] if self.typ == "gauge" and len(parts) > 1 else ""
-        self.pid = parts[2][:-3] if self.typ == "gauge" and len(parts) > 2 else ""
-        self.ident: tuple = ()
-        self.data = b""       # the bytes up to the used end, as last read
-        self.end = 0          # where the parsed entries end
-        self.keys = 0          # hash of the tuple of every entry's key bytes
-        self.parsed: list[tuple] = []
-        self.struct: struct.Struct | None = None
-        self.values: tuple = ()
-        self.stamps: tuple = ()
-        self.version = 0
-        self.fences: tuple[int, int] | None = None   # where the two fence values lie, once found
-        self.torn = 0          # copies taken mid-write (read again)
-
-    def refresh(self) -> bool:
-        """Read the file again. Returns False if it is gone. Raises CorruptFile."""
-        for _ in range(FENCE_TRIES if self.data else FENCE_TRIES_FIRST):
-            read = self._read()
-            if read is None:
-                return False
-            st, data, used, whole = read
-            if self.mode == "mostrecent" and ((st.st_dev, st.st_ino) != self.ident or self.fences is None):
-                fences = _fence_offsets(data)
-                if fences is not None and fences != self.fences:
-                    self.fences = fences   # found (or moved): this copy was read without them
-                    continue
-            if whole:
-                break
-            self.torn += 1
-            time.sleep(FENCE_RETRY_S)
-        else:
-            if self.data:
-                return True   # written to all along: the last whole copy stands until the next scrape
-        return self._take(st, data, used)
-
-    def _read(self) -> tuple[os.stat_result, bytes, int, bool] | None:
-        """The file's bytes up to its used end, and whether no step's values were half-written in
-        them: the end fence is read on its own before the copy and the begin fence after it, so
-        that the copy (whose loads a CPU may reorder among themselves: x86's fast string copy
-        does) lies between the two reads."""
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        fences = self.fences if self.mode == "mostrecent" else None
-        try:
-            st = os.fstat(fd)
-            end = os.pread(fd, 8, fences[0]) if fences else b""
-            data = os.pread(fd, _FIRST_READ, 0)
-            used = _INT(data, 0)[0] if len(data) >= 8 else 0
-            if used > len(data):
-                data += os.pread(fd, used - len(data), len(data))
-            begin = os.pread(fd, 8, fences[1]) if fences else b""
-        finally:
-            os.close(fd)
-        return st, data, used, end == begin
-
-    def _take(self, st: os.stat_result, data: bytes, used: int) -> bool:
-        if used <= 8:
-            # No entry yet; a file its process has only just created may not even have its header.
-            used, data = 8, b"\0" * 8
-        elif len(data) > used:
-            data = data[:used]
-        elif len(data) < used:
-            raise CorruptFile(f"{self.path}: {len(data)} bytes, header says {used}")
-        ident = (st.st_dev, st.st_ino)
-        if ident == self.ident and data == self.data:
-            return True                                    # nothing changed: nothing to unpack
-        old = self.end
-        if ident == self.ident and len(data) >= old and self.struct is not None:
-            t = self.struct.unpack_from(data, 8)
-            if hash(t[0::3]) == self.keys:                 # the same entries, maybe more after them
-                if len(data) == old:
-                    self.data, self.values, self.stamps = data, t[1::3], t[2::3]
-                    return True
-                self._parse(data, old)
-                return True
-        self.ident = ident
-        self.parsed, self.keys, self.struct = [], 0, None
-        self._parse(data, 8)
-        return True
-
-    def _parse(self, data: bytes, pos: int) -> None:
-        """Parse entries from ``pos`` (the end of those already parsed) to the used end."""
-        used = len(data)
-        fmt = [self.struct.format[1:] if self.struct is not None and pos > 8 else ""]
-        parsed = self.parsed
-        intern = self._intern.setdefault
-        while pos < used:
-            n = _INT(data, pos)[0]
-            if n < 0 or n + pos > used:
-                raise CorruptFile(f"{self.path}: read beyond file size detected, file is corrupted")
-            key = data[pos + 4:pos + 4 + n]
-            pad = 8 - (n + 4) % 8
-            pos += 4 + n + pad
-            if pos + 16 > used:
-                raise CorruptFile(f"{self.path}: entry beyond the used size, file is corrupted")
-            metric_name, name, labels, help_text = json.loads(key)
-            labels = tuple(sorted(labels.items()))
-            labels = intern(labels, tuple(intern(pair, (intern(pair[0], pair[0]), intern(pair[1], pair[1])))
-                                          for pair in labels))
-            parsed.append((intern(metric_name, metric_name), intern(name, name), labels,
-                           intern(help_text, help_text)))
-            fmt.append(f"4x{n}s{pad}xdd")
-            pos += 16
-        self.struct = struct.Struct("=" + "".join(fmt))
-        t = self.struct.unpack_from(data, 8)
-        self.keys, self.values, self.stamps = hash(t[0::3]), t[1::3], t[2::3]
-        self.data, self.end = data, used
-        DbFile._versions += 1
-        self.version = DbFile._versions
-
-
-def _fence_offsets(data: bytes) -> tuple[int, int] | None:
-    """The offsets of the fence values (end's, begin's) in a file's bytes; None without both.
-    An entry is a 4-byte key length, the key (JSON: ``[metric, sample, labels, help]``), padding
-    to 8 bytes, then its value and timestamp (``prometheus_client.mmap_dict``)."""
-    offsets = []
-    for key in _FENCE_KEYS:
-        at = data.find(key)
-        if at < 4:
-            return None
-        n = _INT(data, at - 4)[0]
-        offsets.append(at + n + 8 - (n + 4) % 8)
-    return offsets[0], offsets[1]
 
 
 class _Series:

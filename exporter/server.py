@@ -49,6 +49,7 @@ from rankscope.exporter.webconfig import WebConfig
 log = logging.getLogger("rankscope.exporter")
 
 StartResponse = Callable[..., object]
+RAW_PATH = "rankscope.raw_path"   # the request's path before percent-decoding (_Handler.get_environ)
 
 SOCKET_TIMEOUT_S = 10.0      # any single read or write
 HEADER_DEADLINE_S = 10.0     # request line + headers, in total
@@ -98,6 +99,13 @@ class _Handler(WSGIRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:
         pass
+
+    def get_environ(self) -> dict:
+        # PATH_INFO arrives percent-decoded (as Latin-1): a %2F in a run id would split the
+        # path. The path as sent lets /evidence decode each segment on its own (RAW_PATH).
+        env = super().get_environ()
+        env[RAW_PATH] = self.path.split("?", 1)[0]
+        return env
 
 
 class ExporterServer(ThreadingWSGIServer):
@@ -189,7 +197,7 @@ def make_app(cfg: ExporterConfig, registry: CollectorRegistry, lock: threading.L
         if path == "/metrics":
             return metrics(environ, respond)
         if path == "/evidence" or path.startswith("/evidence/"):
-            return _evidence(evidence, path, environ.get("QUERY_STRING", ""), respond)
+            return _evidence(evidence, _segments(environ), environ.get("QUERY_STRING", ""), respond)
         if path in ("/healthz", "/-/healthy", "/-/ready"):
             body = json.dumps(started).encode()
             respond("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
@@ -206,18 +214,32 @@ def make_app(cfg: ExporterConfig, registry: CollectorRegistry, lock: threading.L
     return app
 
 
-def _evidence(keeper: EvidenceKeeper | None, path: str, query: str, respond) -> list[bytes]:
-    """/evidence: the captures kept (JSON); /evidence/<run dir>/<rank>: a rank's newest capture,
+def _segments(environ: dict) -> list[str]:
+    """The path's segments after /evidence, each percent-decoded once: from the path as the client
+    sent it where the server kept it (RAW_PATH), else from PATH_INFO (decoded by the server)."""
+    raw = environ.get(RAW_PATH)
+    if raw is not None and urllib.parse.unquote(raw).startswith("/evidence"):
+        return [urllib.parse.unquote(p) for p in raw.split("/") if p][1:]
+    return [p for p in environ.get("PATH_INFO", "/").split("/") if p][1:]
+
+
+def _evidence(keeper: EvidenceKeeper | None, parts: list[str], query: str, respond) -> list[bytes]:
+    """/evidence: the captures kept (JSON); /evidence/<run>/<rank>: a rank's newest capture,
     HTML for a person, JSON with ?format=json (&episode=N for an earlier one);
-    /evidence/<run dir>/<rank>/flight-recorder/<name>: one of its flight-recorder dumps."""
+    /evidence/<run>/<rank>/flight-recorder/<name>: one of its flight-recorder dumps.
+    <run>: the run's directory name (what the captures' links use) or the run id, URL-quoted
+    or as is (a run id ``10.0.0.1:29500`` is neither its directory's name nor safe in a URL)."""
     params = urllib.parse.parse_qs(query)
     if keeper is None:
         return _plain(respond, "404 Not Found", b"evidence capture is off (--no-evidence)\n")
-    parts = [p for p in path.split("/") if p][1:]
     if not parts:
         index = [{k: c.get(k) for k in ("run", "run_dir", "rank", "node", "episode", "trigger", "captured_at", "path")}
                  for c in keeper.captures()]
         return _json(respond, index)
+    run_dir_name = keeper.run_dir_name(parts[0])
+    if run_dir_name is None:
+        return _plain(respond, "404 Not Found", b"no such run (a run id or its directory name, URL-quoted)\n")
+    parts = [run_dir_name] + parts[1:]
     if len(parts) == 4 and parts[1].isdigit() and parts[2] == "flight-recorder":
         dump = keeper.dump(parts[0], int(parts[1]), parts[3])
         if dump is None:

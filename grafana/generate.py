@@ -51,7 +51,14 @@ from grafana_foundation_sdk.models.dashboard import (
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from prometheus.rules_spec import gpu_rank_map
-from rankscope.exporter.catalog import RANK_STATES
+from prometheus.generate import load_thresholds
+from rankscope.contract.states import RANK_STATES
+from rankscope.contract.thresholds import STRAGGLER_PHASES, STRAGGLER_RATIO
+
+# What the panels' prose says of the rules, from the rules' own settings (thresholds.yaml).
+_PARAMS = load_thresholds()["params"]
+WINDOW = f"{_PARAMS['rate_window']} window"
+COMPUTE = " + ".join(STRAGGLER_PHASES)   # forward + backward + optimizer
 
 DASHBOARDS_DIR = Path(__file__).resolve().parent / "dashboards"
 
@@ -377,7 +384,7 @@ def run_overview() -> dash.Dashboard:
     d = d.with_panel(ts(
         "MFU (model FLOPs utilisation)",
         "Model FLOP/s over the device's dense peak FLOP/s for the configured dtype, per rank, and the run's "
-        "average (2m window). Needs a FLOPs figure (RANKSCOPE_FLOPS_PER_TOKEN, RANKSCOPE_FLOPS_PER_SAMPLE or "
+        f"average ({WINDOW}). Needs a FLOPs figure (RANKSCOPE_FLOPS_PER_TOKEN, RANKSCOPE_FLOPS_PER_SAMPLE or "
         "RANKSCOPE_MODEL_PARAMS) and a GPU whose peak is known (or RANKSCOPE_PEAK_FLOPS): empty on CPU.",
         "percentunit",
         [query(f"sum by (node, rank) (rate(rankscope_model_flops_total{{{SEL}}}[{RATE}]))\n"
@@ -414,15 +421,15 @@ def ranks_and_stragglers() -> dash.Dashboard:
     # peers (the run without its slowest rank): the same recording rule here.
     d = d.with_panel(ts(
         "Slowest ranks against their peers",
-        "Compute time per step (forward + backward + optimizer) of the 5 slowest selected ranks, divided by "
-        "the median of their peers (100% = the peers' median; the straggler alert fires above 135%). "
-        "2m window.",
+        f"Compute time per step ({COMPUTE}) of the 5 slowest selected ranks, divided by "
+        f"the median of their peers (100% = the peers' median; the straggler alert fires above {STRAGGLER_RATIO:.0%}). "
+        f"{WINDOW}.",
         "percentunit",
         [query(f"topk(5, rank:rankscope_phase_seconds:compute_per_step_peer_ratio{{{SEL}}})",
                "rank {{rank}} ({{node}})")]))
     d = d.with_panel(ts(
         "Compute time per step per rank",
-        "Forward + backward + optimizer seconds per step, per rank, and the run median. 2m window.", "s",
+        f"{COMPUTE.capitalize()} seconds per step, per rank, and the run median. {WINDOW}.", "s",
         [query(f"rank:rankscope_phase_seconds:compute_per_step{{{SEL}}}", "rank {{rank}} ({{node}})"),
          query(f"run:rankscope_phase_seconds:compute_per_step_median{{{RUN_SEL}}}", "run median")]))
     d = d.with_panel(heatmap_panel(
@@ -436,14 +443,15 @@ def ranks_and_stragglers() -> dash.Dashboard:
     d = d.with_row(dash.Row("Pipeline stages and load balance"))
     d = d.with_panel(ts(
         "Compute time per step per stage",
-        "Each pipeline stage's compute per step (forward + backward + optimizer): the median of its ranks "
+        f"Each pipeline stage's compute per step ({COMPUTE}): the median of its ranks "
         "without its slowest, so one straggler does not move it. Empty for a job without pipeline stages "
-        "(rankscope_rank_layout_info). 2m window.", "s",
+        f"(rankscope_rank_layout_info). {WINDOW}.", "s",
         [query(f"stage:rankscope_phase_seconds:compute_per_step{{{RUN_SEL}}}", "stage {{stage}}")]))
     d = d.with_panel(ts(
         "Stages against each other",
         "Each stage's compute per step over the median of the other stages (100% = balanced; "
-        "RankscopeStageImbalance warns above 125%: move layers out of that stage). 2m window.", "percentunit",
+        f"RankscopeStageImbalance warns above {_PARAMS['stage_imbalance_ratio']:.0%}: move layers out of that "
+        f"stage). {WINDOW}.", "percentunit",
         [query(f"stage:rankscope_phase_seconds:compute_per_step_ratio{{{RUN_SEL}}}", "stage {{stage}}")]))
     d = d.with_panel(ts(
         "Slowest rank of the step over the median (load imbalance)",
@@ -462,7 +470,7 @@ def ranks_and_stragglers() -> dash.Dashboard:
     d = d.with_panel(ts(
         "Phase breakdown per rank",
         "Share of wall time per phase (data, forward, backward, optimizer, comm_wait, other), per rank; "
-        "the input-bound and communication-bound alerts read the same series. 2m window.",
+        f"the input-bound and communication-bound alerts read the same series. {WINDOW}.",
         "percentunit",
         [query(f"rank_phase:rankscope_phase_seconds:fraction{{{SEL}}}", "rank {{rank}} {{phase}}")],
         w=24, h=9, stack=True))

@@ -388,7 +388,7 @@ NODE_LOST = (
 
 
 # The wavefront of a hang, across nodes, from the flight recorder's sequence
-# numbers (rankscope.collectives.process_groups): a rank whose last enqueued collective on a
+# numbers (rankscope.collectives.group_reader): a rank whose last enqueued collective on a
 # process group is behind the group's front while a peer of that group has
 # waited in a collective for collective_behind_wait_seconds, and which waits in
 # no collective itself (a rank blocked elsewhere, by the culprit, is a victim),

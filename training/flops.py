@@ -22,10 +22,13 @@ import math
 import numbers
 import re
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from rankscope.contract import environment
 from rankscope.contract.environment import ConfigError, setting
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DTYPES", "PEAK_FLOPS", "FlopsConfig", "flops_per_token", "lookup_peak_flops", "canonical_gpu", "mfu",
@@ -179,7 +182,7 @@ def canonical_gpu(name: str | None) -> str | None:
     return None
 
 
-def normalise_dtype(dtype: Any) -> str | None:
+def normalise_dtype(dtype: str | torch.dtype) -> str | None:
     """``bf16``, ``fp16``, ``fp32``, ``tf32`` or ``fp8`` for any of their spellings
     (``"bfloat16"``, ``torch.float16``, ...); None if it is none of them."""
     text = str(dtype).strip().lower()

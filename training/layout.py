@@ -19,9 +19,13 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from rankscope.contract.environment import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
 # Mesh dimension names, as torchtitan, Megatron and torch's own examples spell them.
 PIPELINE_DIMS = ("pp", "pipeline", "pipeline_parallel", "stage")
@@ -113,7 +117,7 @@ class Layout:
         return {"stage": self.stage, "tp_group": self.tp_group, "mesh": self.mesh}
 
 
-def _root(mesh: Any) -> Any:
+def _root(mesh: DeviceMesh) -> Any:
     """The whole job's mesh, of which ``mesh`` may be a sub-mesh (a model's parameters often hold one)."""
     try:   # torch >= 2.8 keeps the root on the mesh; before, in the mesh registry
         get_root = getattr(mesh, "_get_root_mesh", None)
@@ -126,7 +130,7 @@ def _root(mesh: Any) -> Any:
         return mesh
 
 
-def from_mesh(mesh: Any) -> Layout | None:
+def from_mesh(mesh: DeviceMesh) -> Layout | None:
     """The rank's coordinates on the root of ``mesh``; None without dimension names or outside the mesh."""
     root = _root(mesh)
     names, coordinate = getattr(root, "mesh_dim_names", None), root.get_coordinate()

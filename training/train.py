@@ -31,24 +31,21 @@ import contextlib
 import datetime
 import json
 import os
-import random
-import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from rankscope.config import ConfigError
-from rankscope.flops import FlopsConfig
 from rankscope.monitor import Monitor
+from rankscope.reference.faults import CommCounts, Faults, StartUpFaults
+from rankscope.reference.model import PipelineStageModel, TeacherDataset, evaluate, model_flops, parallelize
 
-IN_FEATURES, CLASSES = 32, 10
 PARALLELISMS = ("ddp", "fsdp2", "hsdp", "2d", "pipeline")
 
 
@@ -163,163 +160,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class TeacherDataset(Dataset):
-    """Inputs from a fixed Gaussian, labels from a fixed random teacher MLP."""
-
-    def __init__(self, n: int, seed: int, split: str, slow_delay: float = 0.0):
-        g = torch.Generator().manual_seed(seed)
-        teacher = nn.Sequential(nn.Linear(IN_FEATURES, 64), nn.Tanh(), nn.Linear(64, CLASSES))
-        with torch.no_grad():
-            for param in teacher.parameters():
-                param.copy_(torch.randn(param.shape, generator=g) * 1.5)
-            inputs = torch.Generator().manual_seed(seed * 1000 + (1 if split == "train" else 2))
-            self.x = torch.randn(n, IN_FEATURES, generator=inputs)
-            self.y = teacher(self.x).argmax(dim=1)
-        self.slow_delay = slow_delay
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
-
-    def collate(self, batch):
-        if self.slow_delay:
-            time.sleep(self.slow_delay)
-        xs, ys = zip(*batch)
-        return torch.stack(xs), torch.stack(ys)
-
-
-def build_model(hidden: int, dropout: float = 0.0) -> nn.Module:
-    """Linear layers at indices 0, 2 and 4 (the tensor-parallel plan names them); a dropout sits
-    inside the activation's slot."""
-    def activation() -> nn.Module:
-        return nn.Sequential(nn.ReLU(), nn.Dropout(dropout)) if dropout else nn.ReLU()
-
-    return nn.Sequential(nn.Linear(IN_FEATURES, hidden), activation(), nn.Linear(hidden, hidden), activation(),
-                         nn.Linear(hidden, CLASSES))
-
-
-def parallelize(args: argparse.Namespace, monitor: Monitor, device: torch.device) -> tuple[nn.Module, int, int]:
-    """The model as ``--parallelism`` shards it, with this rank's data-parallel rank and size.
-
-    fsdp2 and 2d need nothing from rankscope beyond the Monitor: torch's flight
-    recorder shows it their collectives (rankscope.collectives.process_groups)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model(args.hidden, args.dropout).to(device)
-    if args.parallelism == "ddp":
-        cuda = device.type == "cuda"
-        return monitor.watch(DDP(model, device_ids=[device.index] if cuda else None,
-                                 bucket_cap_mb=args.bucket_cap_mb)), rank, world
-    if args.parallelism == "pipeline":
-        stage = PipelineStageModel(build_model(args.hidden).to(device), args.stages, rank, world)
-        monitor.watch(stage.module)
-        return stage, stage.replica, stage.replicas
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    if args.parallelism in ("fsdp2", "hsdp"):   # hsdp: 2 replicas, each sharded over half the world
-        if args.parallelism == "hsdp" and world % 2:
-            raise SystemExit(f"rankscope-train: --parallelism hsdp needs an even world size, not {world}")
-        shape, names = (((world,), ("dp_shard",)) if args.parallelism == "fsdp2"
-                        else ((2, world // 2), ("dp_replicate", "dp_shard")))
-        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        return monitor.watch(fully_shard(model, mesh=mesh)), rank, world
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    if world % args.tp_size:
-        raise SystemExit(f"rankscope-train: --tp-size {args.tp_size} does not divide the world size {world}")
-    dp = world // args.tp_size
-    mesh = init_device_mesh(device.type, (dp, args.tp_size), mesh_dim_names=("dp", "tp"))
-    # Megatron-style: the first layer column-wise, the second row-wise (one all-reduce),
-    # the classifier column-wise with its output gathered.
-    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel(),
-                                           "4": ColwiseParallel(output_layouts=Replicate())})
-    fully_shard(model, mesh=mesh["dp"])
-    return monitor.watch(model), mesh["dp"].get_local_rank(), dp
-
-
-class PipelineStageModel:
-    """This rank's stage of the model, split at its linear layers into ``stages`` stages, each
-    data-parallel over ``world / stages`` ranks: rank r holds stage ``r // replicas`` of replica
-    ``r % replicas``. The layout is stated to rankscope in one line, as a launcher that places
-    stages would (``RANKSCOPE_LAYOUT``, or ``Monitor(layout=...)``)."""
-
-    def __init__(self, model: nn.Sequential, stages: int, rank: int, world: int):
-        cuts = [i for i, layer in enumerate(model) if isinstance(layer, nn.Linear)]
-        if stages > len(cuts) or world % stages:
-            raise SystemExit(f"rankscope-train: --stages {stages} must be at most {len(cuts)} (the model's linear "
-                             f"layers) and divide the world size {world}")
-        self.stages, self.replicas = stages, world // stages
-        self.stage, self.replica = divmod(rank, self.replicas)
-        bounds = cuts[:stages] + [len(model)]
-        self.module = model[bounds[self.stage]:bounds[self.stage + 1]]
-        self.in_features = self.module[0].in_features
-        self.prev = rank - self.replicas if self.stage > 0 else None
-        self.next = rank + self.replicas if self.stage < stages - 1 else None
-        self.last = self.next is None
-        # Every rank creates every group, in the same order (torch's rule for new_group).
-        groups = [dist.new_group(list(range(s * self.replicas, (s + 1) * self.replicas))) for s in range(stages)]
-        self.dp_group = groups[self.stage]
-
-    def parameters(self):
-        return self.module.parameters()
-
-
-def evaluate(model: nn.Module, data: TeacherDataset, device, monitor: Monitor) -> tuple[float, float]:
-    if isinstance(model, PipelineStageModel):
-        return evaluate_pipeline(model, data, device, monitor)
-    model.eval()
-    with torch.no_grad():
-        logits = model(data.x.to(device))
-        loss = nn.functional.cross_entropy(logits, data.y.to(device), reduction="sum")
-        correct = (logits.argmax(dim=1) == data.y.to(device)).sum().float()
-        totals = torch.stack([loss, correct, torch.tensor(float(len(data)), device=device)])
-        with monitor.collective("all_reduce", totals):
-            dist.all_reduce(totals)
-    model.train()
-    loss_sum, correct_sum, n = totals.tolist()
-    return loss_sum / n, correct_sum / n
-
-
-def evaluate_pipeline(stage: PipelineStageModel, data: TeacherDataset, device, monitor: Monitor) -> tuple[float, float]:
-    """The held-out set through the stages of replica 0, its last stage's figures sent to every rank."""
-    totals = torch.zeros(3, device=device)
-    if stage.replica == 0:
-        with torch.no_grad():
-            x = data.x.to(device)
-            if stage.prev is not None:
-                x = torch.empty(len(data), stage.in_features, device=device)
-                with monitor.collective("recv", x):
-                    dist.recv(x, stage.prev)
-            out = stage.module(x)
-            if stage.next is not None:
-                with monitor.collective("send", out):
-                    dist.send(out.contiguous(), stage.next)
-            else:
-                loss = nn.functional.cross_entropy(out, data.y.to(device), reduction="sum")
-                correct = (out.argmax(dim=1) == data.y.to(device)).sum().float()
-                totals = torch.stack([loss, correct, torch.tensor(float(len(data)), device=device)])
-    with monitor.collective("broadcast", totals):
-        dist.broadcast(totals, src=dist.get_world_size() - stage.replicas)   # replica 0's last stage
-    loss_sum, correct_sum, n = totals.tolist()
-    return loss_sum / n, correct_sum / n
-
-
-def model_flops(hidden: int) -> FlopsConfig:
-    """What the RANKSCOPE_ FLOPs variables say, else the reference model's own figure: each
-    parameter is one multiply-add per sample forward and two backward, 6 FLOPs in all."""
-    flops = FlopsConfig.from_env()
-    if flops.counts_flops:
-        return flops
-    params = sum(p.numel() for p in build_model(hidden).parameters())
-    return FlopsConfig.from_env(flops_per_sample=6 * params)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -357,122 +197,6 @@ def main(argv: list[str] | None = None) -> int:
     monitor.close()
     dist.destroy_process_group()
     return 0
-
-
-class StartUpFaults:
-    """The start-up faults of this rank, known from the launcher's environment (no process group yet)."""
-
-    def __init__(self, args: argparse.Namespace):
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        fault_rank = world - 1 if args.fault_rank is None else args.fault_rank
-        self.on = args.all_ranks or rank == fault_rank
-        self.args = args
-
-    def before_init(self) -> None:
-        if self.on and self.args.late_init:
-            time.sleep(self.args.late_init)
-
-    def backend(self, backend: str) -> str:
-        # A misspelt backend in one rank's configuration: torch raises inside init_process_group.
-        return f"cpu:{backend}x" if self.on and self.args.init_error else backend
-
-    def after_init(self) -> None:
-        if self.on and self.args.late_first_step:
-            time.sleep(self.args.late_first_step)
-
-
-class Faults:
-    """The faults this rank injects (all off unless it is a fault rank), and the noise of a healthy run."""
-
-    def __init__(self, args: argparse.Namespace, rank: int, world: int):
-        fault_rank = world - 1 if args.fault_rank is None else args.fault_rank
-        self.on = args.all_ranks or rank == fault_rank
-        self.rank = rank
-        self.args = args
-        self.leaked: list[bytearray] = []
-        self.noise = random.Random(args.seed * 1000 + rank)
-
-    def at(self, what: str, step: int) -> bool:
-        return self.on and getattr(self.args, what) == step
-
-    def before_forward(self, step: int, work: bool = True) -> None:
-        a = self.args
-        if self.at("oom_at", step):
-            raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 80.00 GiB")
-        if self.at("crash_at", step):
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.at("raise_at", step):
-            raise ValueError(f"injected: corrupt sample in batch of step {step}")
-        if self.at("device_error_at", step):   # what a faulty GPU's kernel leaves for the next synchronising call
-            raise torch.AcceleratorError("injected: CUDA error: an illegal memory access was encountered\n"
-                                         "CUDA kernel errors might be asynchronously reported at some other API call")
-        if self.on and a.slow_rank_delay:
-            time.sleep(a.slow_rank_delay)
-        if self.on and a.leak_mb_per_step and step >= a.leak_from and len(self.leaked) * a.leak_mb_per_step < a.leak_max_mb:
-            self.leaked.append(bytearray(int(a.leak_mb_per_step * 2**20)))   # zero-filled: resident at once
-        if work:
-            time.sleep(self.work(a.step_delay))
-
-    def work(self, seconds: float) -> float:
-        """``seconds`` of simulated compute as this rank's batch makes it: +-jitter, or with
-        --uneven-work a length of 0.2-1.0 of the longest (mean 1x), drawn afresh each time."""
-        a = self.args
-        if not seconds:
-            return 0.0
-        if a.uneven_work:
-            return seconds * self.noise.uniform(0.2, 1.0) / 0.6
-        return seconds * self.noise.uniform(1 - a.jitter, 1 + a.jitter)
-
-    def loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        a = self.args
-        if a.loss_noise:
-            loss = loss * self.noise.uniform(1 - a.loss_noise, 1 + a.loss_noise)
-        if self.at("nan_loss_at", step):
-            return loss * float("nan")
-        if self.at("loss_spike_at", step):
-            return loss * 50.0
-        spikes_from = a.loss_spikes_from
-        if self.on and spikes_from is not None and 0 <= step - spikes_from < 50 and (step - spikes_from) % 10 == 0:
-            return loss * 50.0
-        if self.on and a.diverge_from is not None and step >= a.diverge_from:
-            return loss * (1.0 + 0.01 * (step - a.diverge_from))
-        return loss
-
-    def sync_skipped(self, model: nn.Module, step: int) -> Any:
-        """The context STEP's forward and backward run in: DDP's no_sync() on the fault rank at --no-sync-at."""
-        if self.at("no_sync_at", step) and isinstance(model, DDP):
-            print(f"rank {self.rank}: injected no_sync() at step {step}", flush=True)
-            return model.no_sync()
-        return contextlib.nullcontext()
-
-    def after_optimizer(self, model: nn.Module, step: int) -> None:
-        if self.at("flip_bit_at", step):
-            weight = dict(_module(model).named_parameters())["2.weight"]
-            with torch.no_grad():
-                _local(weight).view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 20)
-            print(f"rank {self.rank}: injected a bit flip in 2.weight after step {step}", flush=True)
-
-    def perturb(self, model: nn.Module) -> None:
-        if self.on and self.args.resume_perturbed:
-            with torch.no_grad():
-                for p in _module(model).parameters():
-                    _local(p).add_(self.args.resume_perturbed)
-            print(f"rank {self.rank}: starts {self.args.resume_perturbed} off the others' weights", flush=True)
-
-    def before_backward(self, step: int) -> None:
-        if self.at("hang_at", step):
-            print(f"rank {self.rank}: injected hang at step {step}", flush=True)
-            while True:  # peers block in this step's all-reduce
-                time.sleep(1)
-
-
-def _module(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DDP) else model
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A parameter's own bits on this rank (a DTensor's local shard)."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def train(args: argparse.Namespace, monitor: Monitor, device: torch.device) -> None:
@@ -528,26 +252,6 @@ def train(args: argparse.Namespace, monitor: Monitor, device: torch.device) -> N
         epoch += 1
     if comm_debug and rank == 0:
         print("comm-debug: " + json.dumps(comm_debug.totals, sort_keys=True), flush=True)
-
-
-class CommCounts:
-    """Collectives counted by torch's own CommDebugMode, per kind of work (step, eval) and op."""
-
-    def __init__(self) -> None:
-        self.totals: dict[str, dict[str, int]] = {}
-
-    @contextlib.contextmanager
-    def count(self, what: str):
-        from torch.distributed.tensor.debug import CommDebugMode
-
-        mode = CommDebugMode()
-        with mode:
-            yield
-        totals = self.totals.setdefault(what, {"times": 0})
-        totals["times"] += 1
-        for op, n in mode.get_comm_counts().items():
-            name = str(op).split(".")[-1]   # c10d._allgather_base_, c10d_functional.all_reduce -> the op's name
-            totals[name] = totals.get(name, 0) + n
 
 
 def save_checkpoint(directory: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer,

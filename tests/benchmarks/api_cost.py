@@ -104,7 +104,7 @@ def child(args: argparse.Namespace) -> int:
     warmup = 200
     api_steps(warmup)
     floor = harness(args.steps)
-    first = monitor.steps.step.number + 1
+    first = monitor.parts.steps.step.number + 1
     times = api_steps(args.steps)
     sampled = [t for i, t in enumerate(times, start=first) if monitor.tracing.enabled and i % TRACE_EVERY == 0]
     unsampled = [t for i, t in enumerate(times, start=first) if not (monitor.tracing.enabled and i % TRACE_EVERY == 0)]
@@ -168,7 +168,7 @@ def real_child(args: argparse.Namespace) -> int:
 
 def gil_holds(monitor) -> dict[str, dict[str, float]]:
     """The longest stretch each background thread ran between two GIL releases (rankscope.holds)."""
-    holds = {"publisher (publish)": monitor.publisher.hold, "publisher (absorb slice)": monitor.accounting.hold}
+    holds = {"publisher (publish)": monitor.parts.publisher.hold, "publisher (absorb slice)": monitor.parts.accounting.hold}
     if monitor.tracing.enabled:
         holds["span sender (pickles a record)"] = monitor.tracing.hold
     result = {name: hold.as_dict() for name, hold in holds.items()}

@@ -130,7 +130,8 @@ def main(argv=None) -> int:
     from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
 
     sys.path.insert(0, str(REPO))
-    from rankscope.collectives.process_groups import FlightRecorderSource, ProcessGroupReader
+    from rankscope.collectives.group_reader import ProcessGroupReader
+    from rankscope.collectives.ring_source import FlightRecorderSource
     from tests.helpers.jobs import free_port
 
     recording = record_cost(args.blocks, 2000 if not args.quick else 300, args.ring)

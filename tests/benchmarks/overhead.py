@@ -112,7 +112,7 @@ def worker(args: argparse.Namespace) -> int:
     else:
         models = [DDP(copy.deepcopy(base)), monitor.watch(DDP(copy.deepcopy(base))), DDP(copy.deepcopy(base))]
         # One monitor per process: variant C gets the hook that watch() registers with comm_timing="hook".
-        HookTiming(monitor.tracker, lambda: None).attach(models[2])
+        HookTiming(monitor.parts.tracker, lambda: None).attach(models[2])
     opts = [torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for m in models]
     batch = (torch.randn(args.batch, h), torch.randn(args.batch, h))
     plain_batches = itertools.repeat(batch)
@@ -144,7 +144,7 @@ def worker(args: argparse.Namespace) -> int:
     bg_cpu = threads_cpu_seconds(background) - cpu0
     dist.barrier()
     replica_check = _replica_check_cost(monitor, models[1], opts[1], batch)
-    reader = monitor.process_groups
+    reader = monitor.parts.process_groups
     monitor.close()
     gil = {"longest_slice_ms": 1000 * reader.longest_slice_s, "longest_slice_cpu_ms": 1000 * reader.longest_slice_cpu_s,
            "entries_read": reader.entries_read} if reader else {}
@@ -164,7 +164,7 @@ def _replica_check_cost(monitor, model, opt, batch, checks: int = 200) -> dict:
 
     import torch
 
-    check = monitor.watched.replica_check
+    check = monitor.parts.watched.replica_check
     if check is None:
         return {}
     torch.nn.functional.mse_loss(model(batch[0]), batch[1]).backward()

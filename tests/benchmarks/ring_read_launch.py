@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     sys.path.insert(0, str(REPO))
-    from rankscope.collectives.process_groups import FlightRecorderSource
+    from rankscope.collectives.ring_source import FlightRecorderSource
     from rankscope.device.rank_device import RankDevice
     from tests.helpers.jobs import free_port
 

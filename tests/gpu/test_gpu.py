@@ -152,8 +152,8 @@ def test_collective_durations_against_an_independent_clock(nccl_group):
             for _ in range(3):
                 dist.all_gather_into_tensor(out, inp)
             torch.cuda.synchronize()
-            monitor.tracker.poll_device()
-            monitor.tracker.drain()
+            monitor.parts.tracker.poll_device()
+            monitor.parts.tracker.drain()
             n = 20
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 torch.cuda.synchronize()
@@ -163,9 +163,9 @@ def test_collective_durations_against_an_independent_clock(nccl_group):
                         dist.all_gather_into_tensor(out, inp)
                 torch.cuda.synchronize()
                 host_per_call = (time.perf_counter() - host_start) / n
-            with monitor.device.on_device():
-                monitor.tracker.poll_device()
-            recorded = [r.duration for r in monitor.tracker.drain()]
+            with monitor.parts.device.on_device():
+                monitor.parts.tracker.poll_device()
+            recorded = [r.duration for r in monitor.parts.tracker.drain()]
             device_work = [e for e in prof.events() if e.device_type == DeviceType.CUDA
                            and ("nccl" in e.name.lower() or "memcpy" in e.name.lower())]
             spans = [e.time_range.elapsed_us() / 1e6 for e in device_work]
@@ -200,8 +200,8 @@ def test_an_instrumented_ddp_step_adds_no_sync(nccl_group, device_given):
     options = {"device": device_given} if device_given else {}
     with open_monitor(backend="nccl", memory_every_s=0.05, **options) as monitor:
         model = monitor.watch(DDP(model_1k(), device_ids=[0]))
-        assert monitor.device.cuda and monitor.device.index == 0   # Monitor(): learnt from the model
-        assert monitor.watched.comm.mode == "hook"                          # comm_timing=auto on CUDA
+        assert monitor.parts.device.cuda and monitor.parts.device.index == 0   # Monitor(): learnt from the model
+        assert monitor.parts.watched.comm.mode == "hook"                          # comm_timing=auto on CUDA
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         x, y = torch.randn(256, 1024, device=DEVICE), torch.randn(256, 1024, device=DEVICE)
         lr = torch.full((), 1e-3, device=DEVICE)        # a scheduler's lr kept on the device
@@ -218,10 +218,10 @@ def test_an_instrumented_ddp_step_adds_no_sync(nccl_group, device_given):
             time.sleep(0.5)   # the publisher thread reads events, values and memory meanwhile
         torch.cuda.synchronize()
         deadline = time.time() + 5
-        while time.time() < deadline and (monitor.device.reads._values or monitor.device.reads._steps):
+        while time.time() < deadline and (monitor.parts.device.reads._values or monitor.parts.device.reads._steps):
             time.sleep(0.05)
-        monitor.publisher.flush()
-        m = monitor.metrics
+        monitor.parts.publisher.flush()
+        m = monitor.parts.metrics
         phases = {p: c._value.get() for p, c in m.phase.items()}
         timed = sum(b.get() for b in m.collective("all_reduce").duration._buckets)
         figures = {"syncs": dict(syncs), "faults": telemetry_faults(monitor), "steps": m.steps._value.get(),
@@ -235,7 +235,7 @@ def test_an_instrumented_ddp_step_adds_no_sync(nccl_group, device_given):
         assert phases["forward"] > 0 and phases["backward"] + phases["comm_wait"] > 0 and phases["optimizer"] > 0
         assert figures["loss"] > 0 and figures["grad_norm"] > 0 and figures["lr"] == pytest.approx(1e-3)
         assert figures["gauge"] == pytest.approx(2 * figures["loss"], rel=1e-5)   # the last step's, read later
-        info = monitor.registration.info or {}
+        info = monitor.parts.registration.info or {}
         assert info.get("device") == "cuda:0" and info.get("gpu_uuid", "").startswith(("GPU-", "MIG-")), info
 
 
@@ -389,11 +389,11 @@ def test_fsdp2_and_explicit_collectives_are_counted_from_the_nccl_recorder(nccl_
     from torch.distributed.tensor.debug import CommDebugMode
 
     from rankscope.collectives.flight_recorder import dump_flight_recorder
-    from rankscope.collectives.process_groups import op_of
+    from rankscope.collectives.ring_entries import op_of
 
     dist = nccl_group
     with open_monitor(device=DEVICE, backend="nccl") as monitor:
-        reader = monitor.process_groups
+        reader = monitor.parts.process_groups
         assert "nccl" in reader.cursors, reader.cursors
         side = dist.new_group([0])   # a sub-group, as tensor or pipeline parallelism creates
         reader._timing = True   # durations too (RANKSCOPE_COLLECTIVE_TIMING=1), on every group from now on
@@ -507,10 +507,10 @@ def test_mfu_from_the_nvml_name_and_allocator_figures(nccl_group):
                 opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
-        monitor.publisher._last_memory = 0.0
-        monitor.publisher.flush()
+        monitor.parts.publisher._last_memory = 0.0
+        monitor.parts.publisher.flush()
         stats = torch.cuda.memory_stats(0)
-        m = monitor.metrics
+        m = monitor.parts.metrics
         peak = m.peak_flops._value.get() if m.peak_flops is not None else None
         model_flops = m.model_flops._value.get()
         figures = {

@@ -121,10 +121,10 @@ def test_lightning_on_the_gpu_with_progress_bar_values_and_a_grad_norm(one_rank)
     with syncs_by_caller() as syncs:
         trainer.fit(lightning_module(pl, 256, hidden=1024), torch.utils.data.DataLoader(data, batch_size=32))
     monitor = callback.monitor
-    m = monitor.metrics
+    m = monitor.parts.metrics
     figures = {"rankscope_syncs": syncs["rankscope"], "framework_syncs": syncs["framework"],
                "steps": m.steps._value.get(), "grad_norm": m.grad_norm._value.get(), "loss": m.loss._value.get(),
-               "device": monitor.device.index, "faults": faults(monitor)}
+               "device": monitor.parts.device.index, "faults": faults(monitor)}
     record("lightning_gpu", figures)
     assert syncs["rankscope"] == [], syncs["rankscope"]
     assert figures["steps"] == STEPS and figures["grad_norm"] > 0 and figures["loss"] > 0
@@ -151,7 +151,7 @@ def test_hf_trainer_on_the_gpu(one_rank):
     with syncs_by_caller() as syncs:
         trainer.train()
     monitor = callback.monitor
-    m = monitor.metrics
+    m = monitor.parts.metrics
     figures = {"rankscope_syncs": syncs["rankscope"], "framework_syncs": syncs["framework"],
                "steps": m.steps._value.get(), "grad_norm": m.grad_norm._value.get(), "loss": m.loss._value.get(),
                "faults": faults(monitor)}

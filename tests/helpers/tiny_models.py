@@ -9,7 +9,7 @@ import torch
 
 def faults(monitor: Any) -> dict[str, float]:
     """The rank's telemetry errors and drops that are not zero, by component or kind."""
-    m = monitor.metrics
+    m = monitor.parts.metrics
     counted = {f"error:{k}": c._value.get() for k, c in m.errors.items()}
     counted.update({f"drop:{k}": c._value.get() for k, c in m.drops.items()})
     return {k: v for k, v in counted.items() if v}

@@ -90,6 +90,7 @@ def test_straggler_ranking_puts_the_slow_rank_first(report):
     assert facts["summary"]["ranks"] == 2
     assert facts["summary"]["final_states"] == {"0": "finished", "1": "finished"}
     assert facts["summary"]["steps"] > 0.5 * STEPS   # Prometheus's first scrape comes ~5 s after its start
+    assert 0 < facts["summary"]["goodput"] <= 1   # productive over wall seconds (once: never shown)
 
 
 def test_every_plot_has_data_and_the_page_is_self_contained(report):

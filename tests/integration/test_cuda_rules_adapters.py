@@ -44,7 +44,7 @@ def test_lightning_with_progress_bar_values_and_a_logged_grad_norm_never_waits(o
                              enable_progress_bar=True, log_every_n_steps=1)
         with open(os.devnull, "w") as quiet, _stdout(quiet):
             trainer.fit(lightning_module(pl, 8), torch.utils.data.DataLoader(data, batch_size=4))
-    m = callback.monitor.metrics
+    m = callback.monitor.parts.metrics
     assert m.steps._value.get() == STEPS
     assert m.grad_norm._value.get() > 0 and m.loss._value.get() > 0
     assert faults(callback.monitor) == {}
@@ -72,8 +72,8 @@ def test_hf_trainer_steps_never_wait_for_the_device(one_rank, tmp_path):
         instrument(trainer)
         trainer.train()
     monitor = callback.monitor
-    assert monitor.metrics.steps._value.get() == STEPS
-    assert monitor.metrics.loss._value.get() > 0 and monitor.metrics.grad_norm._value.get() > 0
+    assert monitor.parts.metrics.steps._value.get() == STEPS
+    assert monitor.parts.metrics.loss._value.get() > 0 and monitor.parts.metrics.grad_norm._value.get() > 0
     assert faults(monitor) == {}
 
 

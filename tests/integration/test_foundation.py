@@ -36,7 +36,7 @@ def ddp_buckets_per_step(bucket_cap_mb: float = 0.1, hidden: int = 256) -> tuple
 import os, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from rankscope.train import build_model, IN_FEATURES
+from rankscope.reference.model import IN_FEATURES, build_model
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
 model = DDP(build_model({hidden}), bucket_cap_mb={bucket_cap_mb})
 seen = dict()

@@ -136,7 +136,7 @@ def test_a_hung_step_counts_as_idle_while_it_hangs(tmp_path, monkeypatch):
                 time.sleep(0.005)
         with m.step(step=20):
             time.sleep(1.0)                      # far beyond 0.3 s and 10 medians: hung
-            m.publisher.flush()
+            m.parts.publisher.flush()
             during = wall_seconds(m.run_dir)["0"]
     finally:
         m.close()

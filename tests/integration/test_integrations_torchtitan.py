@@ -35,7 +35,7 @@ from tests.helpers.promstack import firing_alerts
 from tests.helpers.titan_assets import make_assets
 from tests.helpers.userjob import UserJob
 
-from rankscope.collectives.process_groups import op_of
+from rankscope.collectives.ring_entries import op_of
 
 VENV = REPO / ".venv-torchtitan"
 STEPS = 12

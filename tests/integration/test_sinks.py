@@ -6,13 +6,12 @@ TensorBoard's own event reader and with ``MlflowClient``. A real ``mlflow
 server`` killed mid-run shows that training goes on (step rate before and
 after, printed, never asserted) and that the lost records are counted.
 
-The first tests are unit tests of the summary and of the start-up checks
-(no processes).
+The first tests are of the start-up checks and of the writers (no job); the summary's own are
+in tests/unit/sinks/test_summary.py.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import statistics
@@ -28,6 +27,7 @@ from rankscope import sinks
 from rankscope.config import MonitorConfig
 from rankscope.contract.environment import ConfigError
 from rankscope.identity import RankIdentity
+from rankscope.sinks import backend as sink_backend
 from tests.helpers.jobs import TrainJob, free_port, select, value, wait_until
 
 T = sinks.TAG
@@ -36,88 +36,6 @@ STEP_TAGS = [T + "step_time/min", T + "step_time/median", T + "step_time/max", T
 EVENT_TAGS = [T + "events/nonfinite", T + "events/oom", T + "events/restarts", T + "events/hang_suspects",
               T + "ranks/reporting"]
 SLOW = ["--step-delay", "0.01", "--slow-rank-delay", "0.03", "--fault-rank", "1"]   # rank 1: +30 ms of compute
-
-
-# -- the summary, on values as the exporter gives them ---------------------------------------
-def _rank(steps: float, dur: float, compute: float, comm: float, loss: float, ts: float, **kw) -> sinks.RankValues:
-    phases = {"forward": compute, "backward": 0.0, "optimizer": 0.0, "comm_wait": comm, "data": 0.0,
-              "other": dur - compute - comm}   # phases add up to the step time
-    return sinks.RankValues(steps=steps, dur_sum=dur, dur_count=steps, phases=phases, loss=loss, step=steps - 1,
-                            step_ts=ts, start_ts=100.0, pids=frozenset({"1"}), state="progressing", **kw)
-
-
-def test_summary_of_two_scrapes():
-    s = sinks.Summarizer()
-    assert s.update({0: _rank(10, 1.0, 0.2, 0.5, 2.0, 1000.0), 1: _rank(10, 1.0, 0.7, 0.0, 2.2, 1000.0)}) is None
-    rec = s.update({0: _rank(30, 3.0, 0.6, 1.5, 1.0, 1002.0), 1: _rank(30, 3.2, 2.1, 0.0, 1.4, 1002.0)})
-    assert rec is not None and rec.step == 29
-    sc = rec.scalars
-    assert sc[T + "step_time/min"] == pytest.approx(0.1) and sc[T + "step_time/max"] == pytest.approx(0.11)
-    # compute shares of the phase seconds: rank 1 1.4 of 2.2 s, rank 0 0.4 of 2.0 s
-    assert sc[T + "slowest_rank"] == 1 and sc[T + "straggler_ratio"] == pytest.approx((1.4 / 2.2) / (0.4 / 2.0))
-    assert sc[T + "comm_wait_fraction"] == pytest.approx(1.0 / 4.2)
-    assert sc[T + "comm_wait_fraction/max"] == pytest.approx(0.5)
-    assert sc[T + "loss/spread"] == pytest.approx(0.4) and sc[T + "loss/std"] == pytest.approx(0.2)
-    assert sc[T + "throughput/steps_per_s"] == pytest.approx(10.0)
-    # MFU and goodput only from the series they come from: absent here, so never written.
-    assert T + "mfu" not in sc and T + "goodput" not in sc
-    assert rec.events == []
-
-
-def test_summary_events_restarts_and_counter_resets():
-    s = sinks.Summarizer()
-    s.update({0: _rank(10, 1.0, 0.2, 0.0, 2.0, 1000.0), 1: _rank(10, 1.0, 0.2, 0.0, 2.0, 1000.0)})
-    r0 = _rank(20, 2.0, 0.4, 0.0, float("nan"), 1001.0, nonfinite=2.0, oom=1.0)
-    r1 = _rank(3, 0.3, 0.06, 0.0, 2.0, 1001.0)            # counters restarted from 0: a new process
-    r1.start_ts, r1.pids = 200.0, frozenset({"1", "2"})
-    rec = s.update({0: r0, 1: r1})
-    assert rec.scalars[T + "events/nonfinite"] == 2 and rec.scalars[T + "events/oom"] == 1
-    assert rec.scalars[T + "events/restarts"] == 1
-    assert rec.scalars[T + "step_time/max"] == pytest.approx(0.1)   # the reset counter's 3 steps, 0.3 s
-    assert rec.scalars[T + "loss/spread"] == 0                       # the NaN loss is an event, not a spread
-    text = "\n".join(rec.events)
-    assert "rank 0: 2 step(s) with a non-finite" in text and "rank 0: 1 out-of-memory" in text
-    assert "rank 1 restarted (process 2)" in text
-
-
-def test_summary_hang_is_written_once_at_the_step_reached():
-    s = sinks.Summarizer()
-    ok = {0: _rank(10, 1.0, 0.2, 0.0, 2.0, 1000.0), 1: _rank(10, 1.0, 0.2, 0.0, 2.0, 1000.0)}
-    s.update(ok)
-    assert s.update(ok) is not None      # the first record at this step
-    assert s.update(ok) is None          # nothing new: not written again
-    hung = {0: _rank(10, 1.0, 0.2, 0.0, 2.0, 1000.0), 1: _rank(10, 1.0, 0.2, 0.0, 2.0, 1000.0)}
-    hung[0].state, hung[1].state, hung[1].hang_suspect = "stuck_in_collective", "stuck", True
-    rec = s.update(hung)
-    assert rec.step == 9 and rec.scalars[T + "ranks/stalled"] == 2 and rec.scalars[T + "events/hang_suspects"] == 1
-    assert any("rank 1 is the hang suspect" in e for e in rec.events)
-    assert s.update(hung) is None
-
-
-def test_summary_mfu_and_goodput_when_published():
-    s = sinks.Summarizer()
-    a = _rank(10, 1.0, 0.2, 0.0, 2.0, 1000.0, flops=1e12, peak_flops=1e12, wall={"productive": 5.0, "idle": 5.0})
-    s.update({0: a})
-    b = _rank(20, 2.0, 0.4, 0.0, 2.0, 1002.0, flops=2e12, peak_flops=1e12, wall={"productive": 8.0, "idle": 6.0})
-    rec = s.update({0: b})
-    assert rec.scalars[T + "mfu"] == pytest.approx(0.5)       # 1e12 FLOPs in 2 s on a 1e12 FLOP/s device
-    assert rec.scalars[T + "goodput"] == pytest.approx(3.0 / 4.0)
-
-
-def test_parse_page_keeps_only_this_runs_ranks():
-    page = "\n".join([
-        '# TYPE rankscope_steps_total counter',
-        'rankscope_steps_total{local_rank="0",node="n",rank="0",run="a \\"b\\""} 5.0',
-        'rankscope_steps_total{local_rank="0",node="n",rank="0",run="other"} 7.0',
-        'rankscope_step_duration_seconds_bucket{le="0.1",local_rank="0",node="n",rank="0",run="a \\"b\\""} 5.0',
-        'rankscope_rank_state{local_rank="0",node="n",rank="0",run="a \\"b\\"",state="progressing"} 1.0',
-        'rankscope_rank_info{local_rank="0",node="n",process_id="42",rank="0",run="a \\"b\\""} 1.0',
-        'rankscope_loss{local_rank="0",node="n",rank="0",run="a \\"b\\""} NaN',
-    ])
-    ranks = sinks.parse_page(page, 'a "b"')
-    assert list(ranks) == [0]
-    r = ranks[0]
-    assert r.steps == 5 and r.state == "progressing" and r.pids == {"42"} and math.isnan(r.loss)
 
 
 # -- start-up checks -------------------------------------------------------------------------
@@ -165,7 +83,7 @@ def test_build_checks_packages_directories_and_rank(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="does not exist"):
         sinks.build(MonitorConfig.from_env({}, mlflow_tracking_uri=f"sqlite:///{tmp_path}/nowhere/m.db",
                                            metrics_dir=tmp_path / "m"), _identity(), _Drops())
-    monkeypatch.setattr(sinks, "_missing", lambda module: True)
+    monkeypatch.setattr(sink_backend, "missing", lambda module: True)
     with pytest.raises(ConfigError, match=r"pip install 'rankscope\[tensorboard\]'"):
         sinks.build(cfg, _identity(), _Drops())
     with pytest.raises(ConfigError, match=r"pip install 'rankscope\[mlflow\]'"):
@@ -200,7 +118,7 @@ def test_a_backend_may_fall_two_minutes_behind_before_records_drop(interval_s, r
 def test_a_stuck_backend_drops_and_counts_and_never_blocks_the_caller():
     drops = _Drops()
     backend = _Stuck()
-    writer = sinks._Writer(backend, drops.drop)
+    writer = sinks.Writer(backend, drops.drop)
     writer.thread.start()
     rec = sinks.Record(1, {T + "x": 1.0}, [], time.time())
     t0 = time.perf_counter()
@@ -221,7 +139,7 @@ def test_mlflow_backend_to_a_dead_server_counts_drops(tmp_path):
     pytest.importorskip("mlflow")
     drops = _Drops()
     env_before = {k: os.environ.get(k) for k in sinks.MLFLOW_HTTP_DEFAULTS}
-    writer = sinks._Writer(sinks.MlflowBackend(f"http://127.0.0.1:{free_port()}", "rankscope", "dead"), drops.drop)
+    writer = sinks.Writer(sinks.MlflowBackend(f"http://127.0.0.1:{free_port()}", "rankscope", "dead"), drops.drop)
     writer.thread.start()
     try:
         rec = sinks.Record(1, {T + "x": 1.0}, ["step 1: something"], time.time())
@@ -246,7 +164,7 @@ from pathlib import Path
 from rankscope import sinks
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)     # a write past the limit fails with EFBIG instead
 drops = []
-w = sinks._Writer(sinks.TensorBoardBackend(Path(sys.argv[1]), "full"), lambda what, reason="", n=1: drops.append(n))
+w = sinks.Writer(sinks.TensorBoardBackend(Path(sys.argv[1]), "full"), lambda what, reason="", n=1: drops.append(n))
 w.thread.start()
 
 def offer(first, n):

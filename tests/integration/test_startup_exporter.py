@@ -34,8 +34,8 @@ def test_an_exporter_that_dies_at_start_warns_and_the_rank_trains(tmp_path, monk
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and not any("did not start" in r.message for r in caplog.records):
                 time.sleep(0.2)
-            m.publisher.publish()
-            assert m.metrics.steps._value.get() == 3
+            m.parts.publisher.publish()
+            assert m.parts.metrics.steps._value.get() == 3
         finally:
             m.close()
     messages = [r.message for r in caplog.records]

@@ -80,7 +80,7 @@ def main() -> None:
     out = Path(os.environ["LOOP_OUT"])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({"pid": os.getpid(),
-                                                      "stacks": monitor.registration.stacks}))
+                                                      "stacks": monitor.parts.registration.stacks}))
     for step in range(args.steps):
         fault = rank == FAULT_RANK and step == args.at
         t0 = time.perf_counter()

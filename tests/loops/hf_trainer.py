@@ -111,7 +111,7 @@ def main() -> int:
     weights = hashlib.sha256(b"".join(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                                       for p in model.parameters())).hexdigest()
     monitors = [c.monitor for c in trainer.callback_handler.callbacks if getattr(c, "monitor", None) is not None]
-    replica_checked = bool(monitors) and monitors[0].watched.replica_check is not None
+    replica_checked = bool(monitors) and monitors[0].parts.watched.replica_check is not None
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "global_step": trainer.state.global_step, "train_runtime": result.metrics["train_runtime"],

@@ -154,17 +154,17 @@ def run(scenario: str, steps: int, rank: int) -> dict:
         pairs = [(local(a), local(b)) for a, b in zip(bare.parameters(), watched.parameters())]
         if DEVICE.type == "cuda":
             torch.cuda.synchronize()   # the test's own wait: the buckets' events are then complete
-        monitor.publisher.flush()
-        timed = sum(b.get() for b in monitor.metrics.collective("all_reduce").duration._buckets)
-        check = monitor.watched.replica_check
-        published = [x for m in monitor.metrics.family("rankscope_replica_fingerprint").collect()
+        monitor.parts.publisher.flush()
+        timed = sum(b.get() for b in monitor.parts.metrics.collective("all_reduce").duration._buckets)
+        check = monitor.parts.watched.replica_check
+        published = [x for m in monitor.parts.metrics.family("rankscope_replica_fingerprint").collect()
                      for x in m.samples if x.labels["part"] == "all"]
         return {"equal_grads": equal_grads, "timed_all_reduces": timed,
                 "replica_sets": [] if check is None else [s.labels for s in check._sets],
                 "replica_fingerprints": sorted({x.labels["of"] for x in published}),
                 "equal_weights": all(torch.equal(a, b) for a, b in pairs),
                 "max_diff": max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in pairs),
-                "strategy": monitor.watched.comm.mode, "steps": steps}
+                "strategy": monitor.parts.watched.comm.mode, "steps": steps}
     finally:
         monitor.close()
 

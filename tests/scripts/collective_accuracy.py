@@ -23,14 +23,14 @@ def main() -> None:
     pairs = []
     for _ in range(3):                               # warm-up
         dist.all_reduce(tensor)
-    monitor.tracker.drain()
+    monitor.parts.tracker.drain()
     for _ in range(CALLS):
         dist.barrier()
         t0 = time.perf_counter()
         with monitor.collective("all_reduce", tensor):
             dist.all_reduce(tensor)
         direct = time.perf_counter() - t0
-        (record,) = monitor.tracker.drain()
+        (record,) = monitor.parts.tracker.drain()
         pairs.append((record.duration, direct))
     # Every explicit op goes through the same wrapper, labelled by op.
     small = torch.ones(1024)
@@ -45,7 +45,7 @@ def main() -> None:
     with monitor.collective("barrier"):
         dist.barrier()
     monitor.close()   # publishes what the publisher thread has not yet
-    ops = sorted((s.labels["op"], s.value) for metric in monitor.metrics.registry.collect()
+    ops = sorted((s.labels["op"], s.value) for metric in monitor.parts.metrics.registry.collect()
                  if metric.name == "rankscope_collective_bytes" for s in metric.samples
                  if s.name.endswith("_total") and s.labels["op"] != "all_reduce")
     # One file per rank: two ranks printing to one pipe can interleave their lines.

@@ -13,7 +13,8 @@ from rankscope.console.report import parse_time, straggler_ranking
 from rankscope.console.sources import Series, SourceError, exporter_url, local_exporter_url, parse_duration
 from rankscope.contract.rundir import save_exporter_address
 from rankscope.console.top import PHASE_BAR_WIDTH, Screen, phase_bar, render, rows_shown
-from rankscope.console.view import build_view, choose_run, histogram_quantile
+from rankscope.console.view import build_view, choose_run
+from rankscope.pages.figures import histogram_quantile
 
 
 def test_histogram_quantile_interpolates_like_prometheus():
@@ -112,14 +113,20 @@ def test_render_plain_has_every_column():
     assert "\x1b[" not in text
 
 
-def test_straggler_ranking_orders_by_compute_over_the_median():
+def test_straggler_ranking_orders_by_compute_over_the_median_of_its_peers():
+    """As the Straggler rule compares them: over the median of the ranks WITHOUT the slowest (0.030
+    and 0.032 here), not of all ranks, which holds the straggler itself (0.032)."""
     per_rank = {"0": {"forward": 0.010, "backward": 0.020, "comm_wait": 0.05},
                 "1": {"forward": 0.060, "backward": 0.020},
                 "2": {"forward": 0.012, "backward": 0.020}}
     ranking = straggler_ranking(per_rank, {"0": "a", "1": "a", "2": "b"})
     assert [r["rank"] for r in ranking] == [1, 2, 0]
-    assert ranking[0]["excess_over_median"] == pytest.approx(0.080 / 0.032 - 1)
+    assert ranking[0]["excess_over_peers"] == pytest.approx(0.080 / 0.031 - 1)
+    assert ranking[0]["peer_ratio"] == pytest.approx(0.080 / 0.031)
     assert ranking[2]["comm_wait_per_step_s"] == 0.05
+    # A rank alone has no peers: no ratio (the rule records none), and it is still ranked.
+    alone = straggler_ranking({"0": {"forward": 0.01}}, {})
+    assert alone[0]["rank"] == 0 and alone[0]["peer_ratio"] is None and alone[0]["excess_over_peers"] is None
 
 
 def test_times_durations_and_urls(tmp_path):
@@ -170,5 +177,6 @@ def test_a_pipeline_job_shows_each_rank_stage_and_ranks_it_within_its_stage():
     per_rank = {"0": {"forward": 0.05}, "1": {"forward": 0.05}, "2": {"forward": 0.08}, "3": {"forward": 0.128}}
     ranking = straggler_ranking(per_rank, {}, {"0": "0", "1": "0", "2": "1", "3": "1"})
     assert ranking[0]["rank"] == 3 and ranking[0]["stage"] == "1"
-    assert ranking[0]["excess_over_median"] == pytest.approx(0.128 / 0.104 - 1)
-    assert {r["rank"]: r["excess_over_median"] for r in ranking}[2] < 0   # 1.6x stage 0, below its stage's median
+    assert ranking[0]["excess_over_peers"] == pytest.approx(0.128 / 0.08 - 1)   # over its one peer, rank 2
+    # 1.6x stage 0's ranks, and no straggler: it is its stage's peer median itself.
+    assert {r["rank"]: r["excess_over_peers"] for r in ranking}[2] == pytest.approx(0.0)

@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from rankscope.collectives.process_groups import FlightRecorderSource, ProcessGroupReader
+from rankscope.collectives.group_reader import ProcessGroupReader
+from rankscope.collectives.ring_source import FlightRecorderSource
 from rankscope.device.rank_device import RankDevice
 from tests.helpers.jobs import free_port
 from tests.helpers.strict_cuda import StrictCuda, in_thread
 from tests.helpers.tiny_models import faults
-from tests.unit.test_collectives_units import FakeRecorder, Sink
+from tests.unit.collectives.fakes import FakeRecorder, Sink
 
 RANK_GPU = 1
 
@@ -46,7 +47,7 @@ def monitor_env(tmp_path, monkeypatch):
 
 def publish(monitor) -> None:
     """One publish on the publisher's own thread, as it runs every interval."""
-    assert monitor.handoff.publish_now.ask(timeout_s=10.0)
+    assert monitor.parts.handoff.publish_now.ask(timeout_s=10.0)
 
 
 def train(monitor, model, steps: int = 3, gauge=None) -> list[float]:
@@ -84,7 +85,7 @@ def test_a_ddp_job_on_its_rank_gpu_touches_no_other_device_and_never_waits(gloo_
             gauge = monitor.gauge("doubled_loss", "The loss, doubled")
             losses = train(monitor, model, gauge=gauge)
             publish(monitor)
-            m = monitor.metrics
+            m = monitor.parts.metrics
             assert m.loss._value.get() == pytest.approx(losses[-1], rel=1e-6)
             assert m.lr._value.get() == pytest.approx(0.1)
             assert m.grad_norm._value.get() > 0
@@ -108,8 +109,8 @@ def test_a_monitor_made_before_set_device_times_the_device_set_after(monitor_env
             cuda.set_device(RANK_GPU)   # the loop sets its device after making the monitor
             losses = train(monitor, torch.nn.Linear(4, 2))
             publish(monitor)
-            assert monitor.device.index == RANK_GPU
-            assert monitor.metrics.loss._value.get() == pytest.approx(losses[-1], rel=1e-6)
+            assert monitor.parts.device.index == RANK_GPU
+            assert monitor.parts.metrics.loss._value.get() == pytest.approx(losses[-1], rel=1e-6)
             assert faults(monitor) == {}
         finally:
             monitor.close()
@@ -130,9 +131,9 @@ def test_a_bucket_whose_end_event_fails_does_not_stall_the_device_phases(gloo_wo
             cuda.fail_records_in = ""
             train(monitor, model, steps=2)
             publish(monitor)
-            assert not monitor.device.reads._steps                        # every step's phases were read
-            assert monitor.tracker.in_flight() == {}
-            assert monitor.metrics.phase["forward"]._value.get() > 0
+            assert not monitor.parts.device.reads._steps                        # every step's phases were read
+            assert monitor.parts.tracker.in_flight() == {}
+            assert monitor.parts.metrics.phase["forward"]._value.get() > 0
             assert faults(monitor) == {"error:collectives": 1.0}                 # the one failure, counted
         finally:
             monitor.close()
@@ -160,7 +161,7 @@ def test_ddp_with_the_python_reducer_gets_no_hook_and_trains_the_same(gloo_world
             opt.step()
             opt.zero_grad()
         if watch:
-            assert monitor.watched.comm.mode == "off"
+            assert monitor.parts.watched.comm.mode == "off"
             monitor.close()
         return [p.detach().clone() for p in model.parameters()]
 

@@ -42,7 +42,7 @@ def read_run(run_dir) -> dict[tuple, float]:
 
 
 def published(m: Monitor) -> dict[tuple, float]:
-    m.publisher.publish()
+    m.parts.publisher.publish()
     return read_run(m.run_dir)
 
 

@@ -38,7 +38,7 @@ def monitor(tmp_path, monkeypatch):
 
 def published(m: Monitor) -> dict[tuple, float]:
     """(name, extra label values...) -> value, as the exporter reads the rank's files."""
-    m.publisher.publish()
+    m.parts.publisher.publish()
     files = [str(p) for p in m.run_dir.glob("*.db")]
     out = {}
     for family in MultiProcessCollector.merge(files, accumulate=True):
@@ -308,8 +308,8 @@ def test_dropped_step_durations_collectives_and_device_values_are_counted(monito
 
     monkeypatch.setattr(handoff, "MAX_PENDING_STEPS", 5)
     run_steps(monitor, 8)
-    for _ in range(monitor.tracker.completed.maxlen + 3):
-        monitor.tracker.end(-1, "all_reduce", 4, time.perf_counter(), time.time())
+    for _ in range(monitor.parts.tracker.completed.maxlen + 3):
+        monitor.parts.tracker.end(-1, "all_reduce", 4, time.perf_counter(), time.time())
     got = published(monitor)
     assert got[("rankscope_steps_total",)] == 8                    # every step counted...
     assert got[("rankscope_step_duration_seconds_count",)] == 5    # ...3 durations dropped
@@ -354,7 +354,7 @@ def test_publishes_never_overlap(monitor):
     """The OOM path and close() publish from the training thread; never inside the thread's own publish."""
     inside, most = [0], [0]
     lock = threading.Lock()
-    original = monitor.publisher._write_steps
+    original = monitor.parts.publisher._write_steps
 
     def slow_part():
         with lock:
@@ -365,11 +365,11 @@ def test_publishes_never_overlap(monitor):
         with lock:
             inside[0] -= 1
 
-    monitor.publisher._write_steps = slow_part
-    threads = [threading.Thread(target=monitor.publisher.flush) for _ in range(4)]
+    monitor.parts.publisher._write_steps = slow_part
+    threads = [threading.Thread(target=monitor.parts.publisher.flush) for _ in range(4)]
     for t in threads:
         t.start()
-    monitor.publisher.flush()
+    monitor.parts.publisher.flush()
     for t in threads:
         t.join()
     assert most[0] == 1
@@ -396,11 +396,11 @@ def test_a_cuda_anomaly_found_after_the_step_is_traced(tmp_path, monkeypatch):
             for _ in range(5):
                 with m.step():
                     pass
-            step = m.steps.step
-            context = m.trace_feed.context_of(step, 0.01)   # what the step leaves for a deferred CUDA value
+            step = m.parts.steps.step
+            context = m.parts.trace_feed.context_of(step, 0.01)   # what the step leaves for a deferred CUDA value
             reads = DeviceReads(EventPool(DoneEvent), on_drop=lambda what, reason: None)
             reads._values.append(DeviceValue("loss", torch.tensor(math.nan), DoneEvent(), context))
-            m.accounting.take(collections.deque(), map(DeviceValueRead._make, reads.ready_values()), Overflow(), 0)
+            m.parts.accounting.take(collections.deque(), map(DeviceValueRead._make, reads.ready_values()), Overflow(), 0)
         finally:
             m.close()
         receiver.wait_for_spans(lambda s: any(x.attributes.get(ATTR_ANOMALY) for x in s), timeout=10)
@@ -490,7 +490,7 @@ def test_startup_phases_from_launch_through_rendezvous_to_training(tmp_path, mon
     m = Monitor(exporter="off", metrics_dir=tmp_path, run="startup-phases", publish_interval_s=60)
 
     def phase() -> tuple[str, float]:
-        m.publisher.publish()
+        m.parts.publisher.publish()
         values = published(m)
         current = [p for p in ("launch", "rendezvous", "first_step", "training")
                    if values.get(("rankscope_startup_phase", p)) == 1.0]
@@ -499,14 +499,14 @@ def test_startup_phases_from_launch_through_rendezvous_to_training(tmp_path, mon
     try:
         assert dist.init_process_group is not original
         name, launched = phase()
-        assert name == "launch" and launched <= m.registration.started_at   # since the process started
+        assert name == "launch" and launched <= m.parts.registration.started_at   # since the process started
         assert published(m)[("rankscope_launch_world_size",)] == 1
         seen: list[tuple[str, float]] = []
-        waiting = threading.Thread(target=lambda: (time.sleep(1.0), seen.append(phase())))
+        waiting = threading.Thread(target=lambda: (time.sleep(0.5), seen.append(phase())))
         waiting.start()
         with pytest.raises(Exception) as raised:   # a peer that never arrives: torch's timeout
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=2,
-                                    timeout=datetime.timedelta(seconds=3))
+                                    timeout=datetime.timedelta(seconds=1.5))
         waiting.join()
         assert seen and seen[0][0] == "rendezvous" and seen[0][1] > launched, seen
         assert "timeout" in str(raised.value).lower() or "timed out" in str(raised.value).lower(), raised.value

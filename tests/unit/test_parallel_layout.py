@@ -102,7 +102,7 @@ def test_watch_learns_the_mesh_of_a_sharded_model_and_the_stage_of_a_pipeline_st
         assert group_roles(sharded) == {dist.group.WORLD.group_name: "dp_shard"}
         assert group_roles(torch.nn.Linear(2, 2)) == {}
         m.watch(sharded)
-        assert m.process_groups.roles[dist.group.WORLD.group_name] == "dp_shard"
+        assert m.parts.process_groups.roles[dist.group.WORLD.group_name] == "dp_shard"
         with pytest.raises(ConfigError, match="PipelineStage"):
             m.watch(object())
     finally:
@@ -135,7 +135,7 @@ def test_each_step_publishes_its_own_compute(clean_env, tmp_path):
         class Sampled(CommTiming):
             waits_known_each_step = False
 
-        m.watched.use_comm_timing(Sampled())
+        m.parts.watched.use_comm_timing(Sampled())
         with m.step() as step:
             with step.phase("forward"):
                 time.sleep(0.01)

@@ -403,29 +403,29 @@ def test_cuda_phases_come_from_events_read_later(tmp_path, monkeypatch):
         monitor = monitor_module.Monitor(exporter="off", metrics_dir=tmp_path, run="cuda-path", backend="nccl",
                                          publish_interval_s=60, device="cuda:0")
         try:
-            hook = HookTiming(monitor.tracker, lambda: None)
-            monitor.watched.use_comm_timing(hook)   # as watch() sets it
+            hook = HookTiming(monitor.parts.tracker, lambda: None)
+            monitor.parts.watched.use_comm_timing(hook)   # as watch() sets it
             with cuda.hold(), monitor.step(samples=4) as step:
                 with step.phase("forward"):
                     time.sleep(0.01)
                 with step.phase("backward"):
-                    bucket = monitor.tracker.begin_device("all_reduce", 4096, bucket=0)
+                    bucket = monitor.parts.tracker.begin_device("all_reduce", 4096, bucket=0)
                     hook.last_device_span = bucket
                     time.sleep(0.02)
-                    monitor.tracker.end_device(bucket)
-            in_thread(monitor.publisher.publish)
-            phase = monitor.metrics.phase
+                    monitor.parts.tracker.end_device(bucket)
+            in_thread(monitor.parts.publisher.publish)
+            phase = monitor.parts.metrics.phase
             assert phase["forward"]._value.get() == 0                 # nothing read before the GPU is done
-            with monitor.device.on_device():
-                assert monitor.device.reads.ready_steps() == []
+            with monitor.parts.device.on_device():
+                assert monitor.parts.device.reads.ready_steps() == []
             cuda.release()
-            in_thread(monitor.publisher.publish)
-            assert not monitor.device.reads._steps
+            in_thread(monitor.parts.publisher.publish)
+            assert not monitor.parts.device.reads._steps
             forward, backward, comm = (phase[p]._value.get() for p in ("forward", "backward", "comm_wait"))
             assert forward >= 0.01
             assert comm == pytest.approx(bucket.duration) and comm >= 0.02   # last bucket: the exposed wait
             assert backward >= 0 and backward + comm >= 0.02
-            step_seconds = monitor.metrics.step_duration._sum.get()
+            step_seconds = monitor.parts.metrics.step_duration._sum.get()
             assert sum(p._value.get() for p in phase.values()) == pytest.approx(step_seconds, rel=1e-6)
         finally:
             monitor.close()

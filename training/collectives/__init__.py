@@ -3,7 +3,10 @@
 * ``tracker``: ``CollectiveTracker``, the collectives in flight and the completed ones
   (host clock on gloo, CUDA events on NCCL);
 * ``comm_timing``: how a DDP model's gradient all-reduces are timed (hook, reducer, off);
-* ``process_groups``: every collective of every process group, from the flight recorders;
+* ``group_reader``: every collective of every process group, from the flight recorders, read by
+  ``ProcessGroupReader`` with ``ring_source`` (the recorders' reads), ``ring_entries`` (each entry
+  counted once), ``group_table`` (the groups' labels, budget, publishing), ``group_metrics`` (their
+  series) and ``protocols`` (what the reader needs of them); ``process_groups`` re-exports them;
 * ``flight_recorder``: the recorders' ring size, and their dumps when a collective hangs.
 """
 

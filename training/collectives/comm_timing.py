@@ -42,10 +42,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from rankscope.collectives.tracker import CollectiveRecord, CollectiveTracker
 from rankscope.contract.environment import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
 
 log = logging.getLogger("rankscope")
 
@@ -65,9 +69,9 @@ class CommTiming:
     waits_known_each_step = True
 
     def __init__(self) -> None:
-        self.model: Any = None
+        self.model: torch.nn.Module | None = None
 
-    def attach(self, model: Any) -> None:
+    def attach(self, model: torch.nn.Module) -> None:
         self.model = model
 
     @property
@@ -104,12 +108,12 @@ class HookTiming(CommTiming):
         # step's forward began (kept, not set to None), so that DDP would divide them in place.
         self.views_kept = False
 
-    def attach(self, model: Any) -> None:
+    def attach(self, model: torch.nn.Module) -> None:
         super().attach(model)
         if getattr(model, "gradient_as_bucket_view", False):
             first = next((p for p in model.parameters() if p.requires_grad), None)
             if first is not None:
-                def note_views(module: Any, args: Any) -> None:
+                def note_views(module: torch.nn.Module, args: tuple) -> None:
                     self.views_kept = first.grad is not None
 
                 model.register_forward_pre_hook(note_views)
@@ -160,7 +164,7 @@ class ReducerTiming(CommTiming):
         self.timers: ReducerTimers | None = None
         self.usual_backward = 0.0     # seconds: the rank's usual backward compute (see exposed_wait)
 
-    def attach(self, model: Any) -> None:
+    def attach(self, model: torch.nn.Module) -> None:
         super().attach(model)
         try:
             on_cuda = self.tracker.device.first_cuda_index(model) is not None
@@ -208,7 +212,7 @@ class ReducerTiming(CommTiming):
             self.on_error()
 
 
-def is_ddp(model: Any) -> bool:
+def is_ddp(model: torch.nn.Module) -> bool:
     """Whether ``model`` is a DistributedDataParallel (FSDP1 has a ``register_comm_hook`` too,
     with another hook signature: it is read through the flight recorder, like FSDP2)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -216,7 +220,7 @@ def is_ddp(model: Any) -> bool:
     return isinstance(model, DistributedDataParallel)
 
 
-def existing_hook(model: Any) -> str | None:
+def existing_hook(model: torch.nn.Module) -> str | None:
     """The comm hook a DDP model already has (its name), or None."""
     if getattr(model, "_comm_hooks", None):
         hook = model._comm_hooks[0][0]
@@ -227,7 +231,7 @@ def existing_hook(model: Any) -> str | None:
         return None
 
 
-def choose(mode: str, model: Any, tracker: CollectiveTracker, on_error: Callable[[], None]) -> CommTiming:
+def choose(mode: str, model: torch.nn.Module, tracker: CollectiveTracker, on_error: Callable[[], None]) -> CommTiming:
     """The strategy for ``mode`` (one of config.COMM_TIMING_MODES), attached to a DDP ``model``."""
     if mode == "auto":
         mode = "hook" if tracker.device.first_cuda_index(model) is not None else "reducer"
@@ -268,7 +272,7 @@ class ReducerTimers:
     another one. Durations and bytes both cover the sampled steps only.
     """
 
-    def __init__(self, ddp_model: Any, every: int = REDUCER_SAMPLE_EVERY):
+    def __init__(self, ddp_model: torch.nn.Module, every: int = REDUCER_SAMPLE_EVERY):
         self.model = ddp_model
         self.every = every
         ddp_model._set_ddp_runtime_logging_sample_rate(every)
@@ -305,14 +309,14 @@ class ReducerTimers:
                                 comm_ns / 1e9, group_size=self.group_size)
 
 
-def _builtin_after_watch(comm_hook_type: Any) -> None:
+def _builtin_after_watch(comm_hook_type: object) -> None:
     raise RuntimeError(f"register_builtin_comm_hook({comm_hook_type}) after rankscope's watch(): DDP takes one "
                        "comm hook and rankscope's times this model's all-reduces. Register it before watch() "
                        "(rankscope then reads DDP's own timers), or use a Python hook (register_comm_hook), "
                        "which rankscope's runs and times.")
 
 
-def allreduce_like_ddp(model: Any, bucket: Any, divide: bool = False) -> Any:
+def allreduce_like_ddp(model: torch.nn.Module, bucket: dist.GradBucket, divide: bool = False) -> Any:
     """What DDP does with a bucket when it has no hook: scale by 1 / the size of the model's
     group, then sum over that group, scaling as DDP's reducer does so that the result is the
     same to the last bit: it multiplies by a wrapped scalar 1.0 / size while copying gradients

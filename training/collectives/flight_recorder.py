@@ -50,7 +50,7 @@ def ring_size(env: Mapping[str, str] | None = None) -> int:
     return int(raw) if raw.strip().isdigit() else RING_DEFAULT
 
 
-# Per recorder (rankscope.collectives.process_groups.RECORDERS): its status call, its pickle dump, and
+# Per recorder (rankscope.collectives.ring_source.RECORDERS): its status call, its pickle dump, and
 # the file a hang writes it to. torchfrtrace reads nccl_trace_rank_<N>; the CPU recorder
 # (gloo) takes that name when it is the only one with collectives.
 _DUMPS = (("nccl", "_dump_nccl_trace_json", "_dump_nccl_trace", "nccl_trace_rank_"),

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.error
-import urllib.request
 from typing import Any, Iterable
 
-from rankscope.console.sources import EVIDENCE_SERIES as SERIES
+from rankscope import pages
 from rankscope.pages import Series
+from rankscope.pages.record import EVIDENCE_SERIES as SERIES
 
 TIMEOUT_S = 5.0
 
@@ -35,9 +34,8 @@ def captures(samples: Iterable[Series], run: str) -> list[dict]:
 def fetch(url: str, timeout: float = TIMEOUT_S) -> dict | None:
     """A capture as JSON, or None where its exporter does not answer (a lost node, auth)."""
     try:
-        with urllib.request.urlopen(url + "?format=json", timeout=timeout) as resp:
-            return json.loads(resp.read())
-    except (OSError, urllib.error.URLError, ValueError):
+        return json.loads(pages.get(url + "?format=json", timeout))
+    except (pages.FetchError, ValueError):
         return None
 
 

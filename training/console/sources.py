@@ -8,14 +8,10 @@ traceback).
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
 import re
-import socket
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -26,9 +22,9 @@ from rankscope import pages
 from rankscope.contract.environment import DEFAULT_ADDR, DEFAULT_PORT, ConfigError, env_value, metrics_url
 from rankscope.contract.rundir import default_metrics_dir, exporter_address
 from rankscope.pages import Series
+from rankscope.pages.record import EVIDENCE_SERIES
 
 DEFAULT_EXPORTER = f"http://{DEFAULT_ADDR}:{DEFAULT_PORT}/metrics"
-EVIDENCE_SERIES = "rankscope_evidence_captured_timestamp_seconds"
 # Labels Prometheus adds on scrape; two jobs scraping one exporter give the same rank series twice.
 TARGET_LABELS = ("job", "instance")
 
@@ -38,33 +34,10 @@ class SourceError(Exception):
 
 
 def _get(url: str, timeout: float) -> bytes:
-    parsed = urllib.parse.urlsplit(url)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise SourceError(f"{url}: not an http(s) URL")
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.read()
-    except urllib.error.HTTPError as e:
-        body = e.read(300).decode(errors="replace").strip().splitlines()
-        detail = ""
-        try:   # Prometheus explains a bad query in its JSON body
-            detail = ": " + json.loads("\n".join(body))["error"]
-        except Exception:   # noqa: BLE001 - any other body: the status line is enough
-            pass
-        raise SourceError(f"{_origin(url)}: HTTP {e.code} {e.reason}{detail}") from None
-    except urllib.error.URLError as e:
-        reason = e.reason.strerror if isinstance(e.reason, OSError) and e.reason.strerror else e.reason
-        raise SourceError(f"{_origin(url)}: cannot connect ({reason})") from None
-    except (TimeoutError, socket.timeout):
-        raise SourceError(f"{_origin(url)}: no answer within {timeout:g} s") from None
-    except (http.client.HTTPException, OSError, ValueError) as e:
-        raise SourceError(f"{_origin(url)}: {type(e).__name__}: {e}") from None
-
-
-def _origin(url: str) -> str:
-    """The URL without its query string: errors stay one readable line."""
-    parts = urllib.parse.urlsplit(url)
-    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")) or url
+        return pages.get(url, timeout)
+    except pages.FetchError as e:
+        raise SourceError(str(e)) from None
 
 
 def local_exporter_url(env: Mapping[str, str]) -> str:
@@ -85,18 +58,18 @@ def local_exporter_url(env: Mapping[str, str]) -> str:
 
 def exporter_url(text: str) -> str:
     """``host:port``, ``http://host:port`` or a full ``.../metrics`` URL, as the metrics URL."""
-    if "://" not in text:
-        text = "http://" + text
-    parts = urllib.parse.urlsplit(text)
-    path = parts.path if parts.path not in ("", "/") else "/metrics"
-    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+    try:
+        return pages.page_url(text)
+    except ValueError as e:
+        raise SourceError(str(e)) from None
 
 
 def scrape_exporter(url: str, timeout: float = 5.0) -> list[Series]:
     """Every sample a rankscope node exporter serves."""
-    raw = _get(url, timeout).decode(errors="replace")
     try:
-        samples = pages.parse(raw)
+        samples = pages.parse(pages.fetch(url, timeout))
+    except pages.FetchError as e:
+        raise SourceError(str(e)) from None
     except ValueError as e:
         raise SourceError(f"{url}: {e}") from None
     if not any(s.name == "rankscope_exporter_info" for s in samples):

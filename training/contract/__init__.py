@@ -6,7 +6,11 @@
 * ``environment``: the ``RANKSCOPE_*`` settings reader, shared defaults
   (port, address) and the node name;
 * ``replicas``: the value a rank publishes for a replica check, as the rules and the
-  console read it back.
+  console read it back;
+* ``states``: the states the exporter assigns a rank (``rankscope_rank_state``) and the
+  groups of them every reader counts by (stalled, live, ended);
+* ``thresholds``: the alert rules' bars that readers show too (generated from
+  prometheus/thresholds.yaml).
 
 The exporter imports only this package from the rank side
 (``tests/integration/test_package.py`` enforces it), so the two can change independently

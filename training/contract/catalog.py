@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rankscope.contract.thresholds import STRAGGLER_PHASES
+
 PREFIX = "rankscope_"
 
 # Identity labels carried by every per-rank series. `job` and `instance` are
@@ -41,7 +43,7 @@ COLLECTIVE_OPS: tuple[str, ...] = (
     "recv",
 )
 # Every collective of every process group, as torch's flight recorder names it
-# (rankscope.collectives.process_groups): the ops above plus those without an explicit API
+# (rankscope.collectives.ring_entries.op_of): the ops above plus those without an explicit API
 # here; anything else is "other".
 PROCESS_GROUP_OPS: tuple[str, ...] = COLLECTIVE_OPS + ("reduce", "gather", "scatter", "other")
 # Labels of the per-process-group series: ``group`` is the group's role
@@ -207,7 +209,8 @@ RANK_METRICS: tuple[MetricSpec, ...] = (
     _h("rankscope_step_duration_seconds", "Wall-clock duration of training steps.", STEP_BUCKETS),
     _g("rankscope_step_last_duration_seconds", "Wall-clock duration of the last completed step."),
     _g("rankscope_step_last_compute_seconds",
-       "Compute seconds of the last completed step: forward, backward and optimizer, its measured communication "
+       f"Compute seconds of the last completed step: {', '.join(STRAGGLER_PHASES[:-1])} and {STRAGGLER_PHASES[-1]}, "
+       "its measured communication "
        "wait excluded (backward left out where DDP's wait is only sampled, the CPU default); its spread across "
        "the ranks of a stage, scrape by scrape, is the load imbalance."),
     _g("rankscope_last_step_timestamp_seconds", "Unix time at which the last step completed."),

@@ -5,7 +5,7 @@ Layout, under the node's metrics directory (``default_metrics_dir()``)::
     exporter.json               where the exporter serving this directory listens (it writes it)
     exporter.log                an auto-started exporter's log
     <run-slug>/                 one per training run
-        counter_<pid>.db ...    prometheus_client multiprocess files, one set per rank process
+        counter_<pid>.db ...    prometheus_client multiprocess files, one set per rank process (mmap_layout)
         ranks/rank-<N>-<pid>.json  registration of one process of rank N: identity, pid,
                                    parent (the torchrun agent), finish time
         evidence/               stacks-rank-<N>-<pid>.txt: the rank's stacks, written on the
@@ -27,6 +27,8 @@ import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from rankscope.contract.mmap_layout import db_file_pid
 
 RANKS_SUBDIR = "ranks"
 EVIDENCE_SUBDIR = "evidence"
@@ -184,12 +186,6 @@ def latest_per_rank(registrations: list[Registration]) -> dict[int, Registration
         if reg.rank not in latest or reg.started_at > latest[reg.rank].started_at:
             latest[reg.rank] = reg
     return latest
-
-
-def db_file_pid(path: Path) -> int | None:
-    """The pid in a prometheus_client multiprocess file name (counter_123.db -> 123)."""
-    head, _, tail = path.stem.rpartition("_")
-    return int(tail) if head and tail.isdigit() else None
 
 
 def remove_previous_launch(run_dir: Path, agent_pid: int, agent_start_ticks: int | None) -> list[Path]:

@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class Cuda:
 
         return torch.cuda.is_available()
 
-    def device_of(self, tensor: Any) -> int | None:
+    def device_of(self, tensor: object) -> int | None:
         """The CUDA device index of a tensor, None for anything else (``get_device`` is the cheap C call)."""
         return tensor.get_device() if getattr(tensor, "is_cuda", False) else None
 
@@ -104,12 +107,12 @@ class Cuda:
 
         return torch.cuda.Event(enable_timing=True)
 
-    def pinned_buffer(self, dtype: Any, shape: tuple[int, ...] = ()) -> Any:
+    def pinned_buffer(self, dtype: torch.dtype, shape: tuple[int, ...] = ()) -> Any:
         import torch
 
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
-    def copy_to_host(self, host: Any, tensor: Any) -> None:
+    def copy_to_host(self, host: torch.Tensor, tensor: torch.Tensor) -> None:
         """Queue a device-to-host copy on the tensor's device's current stream; no wait."""
         host.copy_(tensor, non_blocking=True)
 
@@ -124,7 +127,7 @@ class Cuda:
         with torch.cuda.device(index):
             yield
 
-    def call_on(self, index: int, call: Callable[..., Any], *args: Any) -> Any:
+    def call_on(self, index: int, call: Callable[..., Any], *args: object) -> Any:
         """``call(*args)``, a torch call that may query CUDA events (NCCL's flight recorder), with
         ``index`` current."""
         with self.on(index):

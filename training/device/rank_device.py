@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from rankscope.device import cuda as cuda_api
 from rankscope.device.reads import DeviceReads
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("rankscope")
 
@@ -116,7 +119,7 @@ class RankDevice:
         """This device's current stream: what the training thread's work on it is queued on."""
         return self.api.stream(self.index)
 
-    def owns(self, tensor: Any) -> bool:
+    def owns(self, tensor: torch.Tensor) -> bool:
         """Whether a CUDA tensor is on this device."""
         return self.api.device_of(tensor) == self.index
 
@@ -141,7 +144,7 @@ class RankDevice:
         with self.api.on(self.index):
             yield
 
-    def first_cuda_index(self, model: Any) -> int | None:
+    def first_cuda_index(self, model: torch.nn.Module) -> int | None:
         """The device of a module's first CUDA parameter or buffer, else None."""
         for tensors in (model.parameters(), model.buffers()):
             for t in tensors:

@@ -14,9 +14,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from rankscope.contract.catalog import PHASES
+
+if TYPE_CHECKING:
+    import torch
+
+    from rankscope.device.cuda import Cuda
+    from rankscope.step.records import TraceContext
 
 MAX_PENDING = 1024
 MAX_FREE_PINNED = 64   # per dtype: more than the values in flight at once
@@ -25,7 +31,7 @@ MAX_FREE_PINNED = 64   # per dtype: more than the values in flight at once
 @dataclass(slots=True)
 class DeviceValue:
     what: str            # "loss", "grad_norm" or "lr"
-    host: Any            # pinned 0-d tensor the value is copied into
+    host: torch.Tensor            # pinned 0-d tensor the value is copied into
     ready: Any           # event recorded after the copy (from the event pool)
     step: Any            # the step's trace context (steps.TraceContext), or None
 
@@ -40,8 +46,30 @@ class DeviceStep:
     last_bucket: Any                     # the step's last-launched bucket span (bounds the exposed wait)
 
 
+class Events(Protocol):
+    """The CUDA event pool the reads take events from and give back (``rank_device.EventPool``)."""
+
+    def get(self) -> torch.cuda.Event: ...
+
+    def put(self, event: torch.cuda.Event) -> None: ...
+
+
+class CopyDevice(Protocol):
+    """What the reads need of the rank's device (``rank_device.RankDevice``): where a tensor is,
+    and the stream its copies are ordered on."""
+
+    index: int | None
+    api: Cuda
+
+    def owns(self, tensor: torch.Tensor) -> bool: ...
+
+    def device_of(self, value: object) -> int | None: ...
+
+    def stream(self) -> torch.cuda.Stream: ...
+
+
 class DeviceReads:
-    def __init__(self, events: Any, on_drop: Callable[[str, str], None], device: Any = None):
+    def __init__(self, events: Events, on_drop: Callable[[str, str], None], device: CopyDevice | None = None):
         self.events = events                 # the CUDA event pool (device.EventPool)
         self._on_drop = on_drop
         self._device = device                # device.RankDevice: whose stream the copies are ordered on
@@ -54,27 +82,27 @@ class DeviceReads:
         self._free_pinned: dict[tuple[Any, tuple[int, ...]], list[Any]] = {}
 
     # -- training thread -------------------------------------------------------
-    def defer_value(self, what: str, tensor: Any, step: Any) -> None:
+    def defer_value(self, what: str, tensor: torch.Tensor, step: TraceContext | None) -> None:
         """Copy a 0-d tensor of the rank's device to pinned memory; ``ready`` is recorded on the
         same stream as the copy (that device's current one), so it completes only once the copy has."""
         copied = self._copy(what, tensor, self._values)
         if copied is not None:
             self._values.append(DeviceValue(what, *copied, step))
 
-    def defer_user_value(self, what: str, tensor: Any, deliver: Callable[[float], None]) -> None:
+    def defer_user_value(self, what: str, tensor: torch.Tensor, deliver: Callable[[float], None]) -> None:
         """A user metric's 0-d device value: ``deliver(number)`` runs on the publisher once it is copied."""
         copied = self._copy(what, tensor, self._user)
         if copied is not None:
             self._user.append((*copied, deliver))
 
-    def defer_array(self, what: str, tensor: Any, deliver: Callable[[list], None]) -> None:
+    def defer_array(self, what: str, tensor: torch.Tensor, deliver: Callable[[list], None]) -> None:
         """A device tensor of any shape (a replica fingerprint's sums): ``deliver(values)``, its
         elements as a list, runs on the publisher once it is copied."""
         copied = self._copy(what, tensor, self._arrays)
         if copied is not None:
             self._arrays.append((*copied, deliver))
 
-    def _copy(self, what: str, tensor: Any, queue: deque) -> tuple[Any, Any] | None:
+    def _copy(self, what: str, tensor: torch.Tensor, queue: deque) -> tuple[Any, Any] | None:
         device = self._device
         if not device.owns(tensor):
             self._on_drop("value", f"{what} is on cuda:{device.device_of(tensor)}, the monitor times "
@@ -88,7 +116,7 @@ class DeviceReads:
         ready.record(device.stream())
         return host, ready
 
-    def _pinned(self, dtype: Any, shape: tuple[int, ...] = ()) -> Any:
+    def _pinned(self, dtype: torch.dtype, shape: tuple[int, ...] = ()) -> Any:
         """A pinned buffer, reused once its value has been read: no allocation per step."""
         free = self._free_pinned.get((dtype, shape))
         if free:
@@ -141,7 +169,7 @@ class DeviceReads:
             self._release(host, ready)
             deliver(values)
 
-    def _release(self, host: Any, ready: Any) -> None:
+    def _release(self, host: torch.Tensor, ready: torch.cuda.Event) -> None:
         self.events.put(ready)
         free = self._free_pinned.setdefault((host.dtype, tuple(host.shape)), [])
         if len(free) < MAX_FREE_PINNED:

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import errno
 import os
-import struct
 
-from prometheus_client.mmap_dict import _INITIAL_MMAP_SIZE, MmapedDict
+from prometheus_client.mmap_dict import MmapedDict
+
+from rankscope.contract.mmap_layout import INITIAL_BYTES, entry_bytes
 
 # Filesystems without fallocate: keep prometheus_client's sparse behaviour.
 _NOT_SUPPORTED = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
@@ -40,16 +41,15 @@ class ReservedMmapedDict(MmapedDict):
         if not read_mode:
             fd = os.open(filename, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                if os.fstat(fd).st_size < _INITIAL_MMAP_SIZE:
-                    _reserve(fd, _INITIAL_MMAP_SIZE)
+                if os.fstat(fd).st_size < INITIAL_BYTES:
+                    _reserve(fd, INITIAL_BYTES)
             finally:
                 os.close(fd)
         super().__init__(filename, read_mode)
 
     def _init_value(self, key: str) -> None:
         # The same entry size and doubling as MmapedDict._init_value.
-        encoded_len = len(key.encode("utf-8"))
-        entry = struct.calcsize(f"i{encoded_len + 8 - (encoded_len + 4) % 8}sdd")
+        entry = entry_bytes(len(key.encode("utf-8")))
         capacity = self._capacity
         while self._used + entry > capacity:
             capacity *= 2

@@ -110,8 +110,8 @@ class Publisher:
             return
         try:
             self._acc = Accumulator()   # if taking the steps fails, the parts publish nothing twice
-            for component, part in (("publisher", self._take), ("publisher", self._write_steps), ("publisher", self._write_startup),
-                                    ("publisher", self._write_time_use),
+            for component, part in (("publisher", self._take), ("publisher", self._write_steps),
+                                    ("publisher", self._write_startup), ("publisher", self._write_time_use),
                                     ("collectives", self._write_collectives), ("memory", self._write_memory),
                                     ("replicas", self._write_replicas),
                                     ("tracing", self._write_drops), ("publisher", self._rank_info.save_when_known),

@@ -25,7 +25,6 @@ import time
 from typing import Any, Callable
 
 
-
 class StartupPhases:
     """The rank's phase (written by the training thread and the publisher; read by the publisher)."""
 
@@ -61,7 +60,7 @@ def watch_init(phases: StartupPhases) -> Callable[[], None]:
 
     # Named rankscope_<function> like every wrapper that runs a framework's own function in its place.
     @functools.wraps(original)
-    def rankscope_init_process_group(*args: Any, **kwargs: Any) -> Any:
+    def rankscope_init_process_group(*args: object, **kwargs: object) -> Any:
         phases.enter("rendezvous")
         result = original(*args, **kwargs)   # an exception is torch's, raised as it is (the rank fails)
         phases.enter("first_step")

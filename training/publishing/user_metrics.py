@@ -18,11 +18,20 @@ in the loop.
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, TypeAlias
 
 from rankscope.contract import catalog
 from rankscope.contract.catalog import MetricSpec
 from rankscope.contract.environment import ConfigError
+from rankscope.device.rank_device import RankDevice
+from rankscope.errors import TelemetryErrors
+from rankscope.publishing.metrics import RankMetrics
+
+if TYPE_CHECKING:
+    import torch
+    from prometheus_client.metrics import MetricWrapperBase
+
+Value: TypeAlias = "float | torch.Tensor"   # a number, or a one-element tensor (a CUDA one is read without a sync)
 
 NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
 LABEL = re.compile(r"[a-z][a-z0-9_]*\Z")
@@ -31,7 +40,7 @@ MAX_CHILDREN = 1000   # label sets per metric: a label fed from data would other
 
 
 class UserMetrics:
-    def __init__(self, metrics: Any, errors: Any, device: Any = None):
+    def __init__(self, metrics: RankMetrics, errors: TelemetryErrors, device: RankDevice | None = None):
         self._metrics = metrics
         self._errors = errors
         self._device = device   # rankscope.device.RankDevice: a CUDA value is read once the device is done
@@ -78,17 +87,18 @@ class UserMetric:
     value may be a number or a one-element tensor; a CUDA one is copied without a sync and
     applied by the publisher once the device has finished it (rankscope.device.reads)."""
 
-    def __init__(self, metrics: Any, errors: Any, metric: Any, labels: tuple[str, ...], device: Any = None):
+    def __init__(self, metrics: RankMetrics, errors: TelemetryErrors, metric: MetricWrapperBase,
+                 labels: tuple[str, ...], device: RankDevice | None = None):
         self._metrics = metrics
         self._errors = errors
         self._metric = metric
         self._labels = labels
         self._device = device
-        self._children: dict[tuple[str, ...], Any] = {}
+        self._children: dict[tuple[str, ...], MetricWrapperBase] = {}
         if not labels:
             self._children[()] = metrics.child(metric, {})
 
-    def _child(self, label_values: dict[str, Any]) -> Any:
+    def _child(self, label_values: dict[str, object]) -> MetricWrapperBase:
         if label_values.keys() != set(self._labels):
             raise ValueError(f"labels {sorted(label_values)} given, {sorted(self._labels)} declared")
         key = tuple(str(label_values[k]) for k in self._labels)
@@ -99,7 +109,7 @@ class UserMetric:
             child = self._children[key] = self._metrics.child(self._metric, dict(zip(self._labels, key)))
         return child
 
-    def _apply(self, method: str, value: Any, labels: dict[str, Any]) -> None:
+    def _apply(self, method: str, value: Value, labels: dict[str, object]) -> None:
         try:
             apply = getattr(self._child(labels), method)
             device = self._device
@@ -110,18 +120,18 @@ class UserMetric:
         except Exception:
             self._errors.error("user")
 
-    def _defer(self, device: Any, tensor: Any, apply: Any) -> None:
+    def _defer(self, device: RankDevice, tensor: torch.Tensor, apply: Callable[[float], None]) -> None:
         if tensor.numel() != 1:
             raise ValueError(f"a tensor of {tensor.numel()} values: give one")
         if not device.cuda:
             device.bind(device.device_of(tensor))   # a Monitor() without a device learns it here too
         device.reads.defer_user_value("a user metric", tensor.detach().reshape(()), apply)
 
-    def set(self, value: float, **labels: Any) -> None:
+    def set(self, value: Value, **labels: object) -> None:
         self._apply("set", value, labels)
 
-    def inc(self, amount: float = 1.0, **labels: Any) -> None:
+    def inc(self, amount: Value = 1.0, **labels: object) -> None:
         self._apply("inc", amount, labels)
 
-    def observe(self, value: float, **labels: Any) -> None:
+    def observe(self, value: Value, **labels: object) -> None:
         self._apply("observe", value, labels)

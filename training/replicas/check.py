@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from rankscope.contract.replicas import encode
 from rankscope.replicas.sets import BITS_OF_SIZE, ReplicaSet, find, local, signature
+
+if TYPE_CHECKING:
+    from rankscope.device.rank_device import RankDevice
+    from rankscope.publishing.metrics import RankMetrics
 
 log = logging.getLogger("rankscope")
 
@@ -35,13 +39,13 @@ PARTS = 8                       # weight fingerprints per set besides the total
 MAX_READY = 64                  # checks waiting for the publisher, at most
 
 
-def tensor_sums(tensors: list[Any]) -> Any:
+def tensor_sums(tensors: list[torch.Tensor]) -> Any:
     """An int64 tensor, on the tensors' device: each tensor's bits summed as integers."""
     with torch.no_grad():
         return torch.stack([_bits_sum(t) for t in tensors])
 
 
-def _bits_sum(t: Any) -> Any:
+def _bits_sum(t: torch.Tensor) -> Any:
     """The tensor's bytes as 64-bit words, summed (a contiguous tensor of whole, aligned words: a
     plain int64 sum, as fast as a float sum); else each element's bits, summed in int64 (a cast
     per element, ten times slower). Replicas share their layout, so they take the same path."""
@@ -64,7 +68,7 @@ class ReplicaCheck:
     """The training thread takes the fingerprints (``step_ended``, ``before_optimizer_step``);
     the publisher writes them (``publish``)."""
 
-    def __init__(self, model: Any, sets: list[ReplicaSet], every: int, metrics: Any, device: Any,
+    def __init__(self, model: torch.nn.Module, sets: list[ReplicaSet], every: int, metrics: RankMetrics, device: RankDevice,
                  drop: Callable[[str, str], None]):
         self.every = every
         self._model = model
@@ -85,7 +89,7 @@ class ReplicaCheck:
             self._metrics.child(self._sizes, s.labels).set(s.size)
 
     @classmethod
-    def of(cls, model: Any, every: int, metrics: Any, device: Any,
+    def of(cls, model: torch.nn.Module, every: int, metrics: RankMetrics, device: RankDevice,
            drop: Callable[[str, str], None]) -> "ReplicaCheck | None":
         """The check of a watched model; None where it has no replicas (said once) or K is 0."""
         if every == 0:
@@ -124,7 +128,7 @@ class ReplicaCheck:
             if grads:
                 self._take(s, "grads", number, grads)
 
-    def _take(self, s: ReplicaSet, of: str, number: int, tensors: list[Any]) -> None:
+    def _take(self, s: ReplicaSet, of: str, number: int, tensors: list[torch.Tensor]) -> None:
         sums = tensor_sums(tensors)
         device = self._device
         index = device.device_of(sums)

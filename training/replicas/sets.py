@@ -44,18 +44,18 @@ class ReplicaSet:
         return {"replicas": self.replicas, "group": self.group, "shard": self.shard}
 
 
-def local(tensor: Any) -> Any:
+def local(tensor: torch.Tensor) -> Any:
     """The rank's own part of a parameter or gradient (a DTensor's local shard)."""
     to_local = getattr(tensor, "to_local", None)
     return (to_local() if to_local is not None else tensor).detach()
 
 
-def signature(model: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def signature(model: torch.nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """The model's parameters by name and local shape: what must not change for the sets to hold."""
     return tuple((name, tuple(local(p).shape)) for name, p in _named_parameters(model))
 
 
-def find(model: Any) -> list[ReplicaSet]:
+def find(model: torch.nn.Module) -> list[ReplicaSet]:
     """The replica sets of ``model`` (what ``Monitor.watch()`` was given); [] for none."""
     from rankscope.collectives.comm_timing import is_ddp
 
@@ -75,7 +75,7 @@ def find(model: Any) -> list[ReplicaSet]:
             for (dim, group, shard, size), named in by_key.items()]
 
 
-def _named_parameters(model: Any) -> list[tuple[str, Any]]:
+def _named_parameters(model: torch.nn.Module) -> list[tuple[str, Any]]:
     from rankscope.collectives.comm_timing import is_ddp
 
     return list((model.module if is_ddp(model) else model).named_parameters())

@@ -27,6 +27,7 @@ from typing import Any, Callable
 from rankscope.collectives.tracker import CollectiveTracker
 from rankscope.contract.catalog import PHASES
 from rankscope.errors import UsageError
+from rankscope.step.values import Observed
 from rankscope.step.watched import Watched
 
 MAX_PENDING_FETCHES = 10_000   # batches fetched before one step whose waits are logged one by one
@@ -70,7 +71,7 @@ class Phase:
         self.t0 = perf_counter()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         t1 = perf_counter()
         step = self.step
         step.phase_log.append((self.name, self.t0, t1))
@@ -130,7 +131,7 @@ class Step:
         except KeyError:
             raise ValueError(f"phase {name!r} is not one of {', '.join(PHASES)}") from None
 
-    def observe(self, loss: Any = None, grad_norm: Any = None, lr: Any = None) -> None:
+    def observe(self, loss: Observed = None, grad_norm: Observed = None, lr: Observed = None) -> None:
         """Report the step's loss, gradient norm and learning rate (the last call wins).
 
         Floats and tensors are fine, and so are non-scalar values, reduced by

@@ -32,16 +32,23 @@ from __future__ import annotations
 
 import math
 from numbers import Real
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeAlias
 
 from rankscope.device import cuda
+
+if TYPE_CHECKING:
+    import torch
+
+# What step.observe() takes for a value: a number, a tensor (a loss, a DTensor), or a list or tuple of
+# them, reduced by the rules below.
+Observed: TypeAlias = "float | torch.Tensor | Sequence[float | torch.Tensor] | None"
 
 
 class NotANumber(ValueError):
     """An observed value that no documented rule turns into a number."""
 
 
-def read(what: str, value: Any, device_of: Callable[[Any], int | None] | None = None) -> Any:
+def read(what: str, value: object, device_of: Callable[[object], int | None] | None = None) -> Any:
     """A float, or a 0-d CUDA tensor to be read later. Raises NotANumber.
 
     ``device_of``: a tensor's CUDA device index, or None (``rankscope.device.cuda``'s, by default)."""
@@ -65,18 +72,18 @@ def read(what: str, value: Any, device_of: Callable[[Any], int | None] | None = 
     return _number(what, value)
 
 
-def _number(what: str, value: Any) -> float:
+def _number(what: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, Real):
         raise NotANumber(f"{what}: {type(value).__name__} {_short(value)} is not a number")
     return float(value)
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _host_reduce(what: str, tensor: Any) -> Any:
+def _host_reduce(what: str, tensor: torch.Tensor) -> Any:
     if tensor.numel() == 0:
         raise NotANumber(f"{what}: an empty tensor")
     flat = tensor.detach().reshape(-1)
@@ -88,7 +95,7 @@ def _host_reduce(what: str, tensor: Any) -> Any:
     return (flat.norm(2) if what == "grad_norm" else flat.mean()).item()
 
 
-def _device_scalar(what: str, tensor: Any) -> Any:
+def _device_scalar(what: str, tensor: torch.Tensor) -> Any:
     """A 0-d tensor on the device, reduced there without waiting for it."""
     n = tensor.numel()
     if n == 0 or tensor.dtype.is_complex:
@@ -100,7 +107,7 @@ def _device_scalar(what: str, tensor: Any) -> Any:
     return flat.norm(2) if what == "grad_norm" else flat.mean()
 
 
-def _local_part(what: str, value: Any) -> Any:
+def _local_part(what: str, value: torch.Tensor) -> Any:
     """A DTensor's local tensor, where that is this rank's value (see the module docstring)."""
     placements = tuple(getattr(value, "placements", ()))
     if any(p.is_partial() for p in placements):
@@ -111,7 +118,7 @@ def _local_part(what: str, value: Any) -> Any:
     return value.to_local()
 
 
-def _read_sequence(what: str, values: list | tuple, device_of: Callable[[Any], int | None]) -> Any:
+def _read_sequence(what: str, values: list | tuple, device_of: Callable[[object], int | None]) -> Any:
     if not values:
         raise NotANumber(f"{what}: an empty {type(values).__name__}")
     if what == "lr":

@@ -1,15 +1,11 @@
-"""A node exporter's ``/metrics`` page, as its readers take it: fetched, and parsed once.
+"""A node exporter's ``/metrics`` page as text exposition: parsed once, and only what a reader wants.
 
-Two readers besides Prometheus: ``rankscope top`` (``rankscope.console``) and
-rank 0's TensorBoard / MLflow sink (``rankscope.sinks``). Both read the page
-through this module, so that a series means one thing to every reader. A
-node's page is mostly histogram buckets and other runs' series: a reader that
-wants a few names of one run has only those lines parsed.
+A node's page is mostly histogram buckets and other runs' series: a reader that wants a few
+names of one run has only those lines parsed.
 """
 
 from __future__ import annotations
 
-import urllib.request
 from typing import Iterable, NamedTuple
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,12 +17,6 @@ class Series(NamedTuple):
     name: str
     labels: dict[str, str]
     value: float
-
-
-def fetch(url: str, timeout: float) -> str:
-    """The page at ``url`` (raises ``OSError`` and ``urllib.error.URLError`` as urllib does)."""
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return resp.read().decode(errors="replace")
 
 
 def parse(text: str, names: Iterable[str] | None = None, run: str | None = None) -> list[Series]:
