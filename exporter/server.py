@@ -27,6 +27,7 @@ Hardening (docs/reliability.md and docs/security.md have the drills):
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry
@@ -45,6 +46,9 @@ from rankscope.exporter.evidence import EvidenceKeeper, flight_recorder_dumps, r
 from rankscope.exporter.config import ExporterConfig
 from rankscope.exporter.exposition import make_metrics_app
 from rankscope.exporter.webconfig import WebConfig
+
+if TYPE_CHECKING:
+    import ssl
 
 log = logging.getLogger("rankscope.exporter")
 
@@ -113,8 +117,11 @@ class ExporterServer(ThreadingWSGIServer):
 
     daemon_threads = True
     request_queue_size = 128
-    ssl_context = None
     header_deadline_s = HEADER_DEADLINE_S
+
+    def __init__(self, address: tuple[str, int], handler_class: type, ssl_context: ssl.SSLContext | None = None):
+        self.ssl_context = ssl_context   # set before the socket binds: built whole, never wired after
+        super().__init__(address, handler_class)
 
     def server_activate(self) -> None:
         super().server_activate()
@@ -150,9 +157,9 @@ class ExporterServer(ThreadingWSGIServer):
 class _SharedCollection:
     """Single-flight rendering of /metrics (see the module docstring)."""
 
-    def __init__(self, metrics_app):
+    def __init__(self, metrics_app, lock: threading.Lock | None = None):
         self.metrics_app = metrics_app
-        self.lock = threading.Lock()
+        self.lock = lock if lock is not None else threading.Lock()
         self.cache: dict[tuple, tuple[float, str, list, list[bytes]]] = {}
 
     def __call__(self, environ: dict, start_response: StartResponse) -> Iterable[bytes]:
@@ -179,9 +186,7 @@ def make_app(cfg: ExporterConfig, registry: CollectorRegistry, lock: threading.L
     started = {"pid": os.getpid(), "service": "rankscope-exporter", "version": __version__,
                "directory": str(cfg.directory), "node": cfg.node, "uid": os.getuid()}
     # prometheus_client's make_wsgi_app, rendering from cached series prefixes (exposition.py).
-    metrics = _SharedCollection(make_metrics_app(registry))
-    if lock is not None:
-        metrics.lock = lock
+    metrics = _SharedCollection(make_metrics_app(registry), lock)
     web = web or WebConfig()
 
     def app(environ: dict, start_response: StartResponse) -> Iterable[bytes]:
@@ -276,6 +281,6 @@ def _plain(respond, status: str, body: bytes) -> list[bytes]:
 
 def serve(cfg: ExporterConfig, app, web: WebConfig | None = None) -> ExporterServer:
     """Bind (errors surface here, at start-up) and return the server; the caller runs it."""
-    server = make_server(cfg.addr, cfg.port, app, ExporterServer, handler_class=_Handler)
-    server.ssl_context = web.ssl_context if web is not None else None
-    return server
+    tls = web.ssl_context if web is not None else None
+    return make_server(cfg.addr, cfg.port, app, functools.partial(ExporterServer, ssl_context=tls),
+                       handler_class=_Handler)

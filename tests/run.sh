@@ -56,4 +56,4 @@ if [ "$full" = 1 ]; then
     bash tests/scripts/torchtitan_venv.sh
     export RANKSCOPE_REQUIRE_TORCHTITAN=1
 fi
-exec .venv/bin/python -m pytest -q "${tier[@]}" "$@"
+exec .venv/bin/python -m pytest -q --durations=25 "${tier[@]}" "$@"

@@ -101,6 +101,10 @@ NO_DATA_HERE = {
     ("rankscope-communication", "Bus bandwidth per process group", None):
         "gloo records no collective durations in torch's flight recorder, so no per-group bandwidth (NCCL with "
         "timing on does); checked: the query executes",
+    ("rankscope-communication", "Bus bandwidth per rank and op", "B"):
+        "the run's median counts a rank once its 5 m bandwidth window lies within its launch (a window that "
+        "reaches back to the launch holds start-up's collectives): this job has run less than that; the per-rank "
+        "query A has data; checked: the query executes",
     ("rankscope-communication", "Link throughput against its speed", "B"):
         "this machine's network devices report no speed (a virtual NIC's sysfs speed reads -1; the namespaced "
         "fault-matrix nodes' veths read 10000); checked: the query executes",

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from rankscope.exporter import reader
+from rankscope.exporter import db_file, reader
 
 WRITER = """
 import sys
@@ -76,7 +76,7 @@ def test_a_scrape_never_mixes_two_steps_values(tmp_path, monkeypatch):
         assert reads > 1000 and mixed == 0, (reads, mixed)
         assert not names & reader.FENCE_NAMES   # the fences are never exported
         # The control: without the fence check the same reads do tear.
-        monkeypatch.setattr(reader, "_fence_offsets", lambda data: None)
+        monkeypatch.setattr(db_file, "_fence_offsets", lambda data: None)
         reads, mixed, _ = read_for(tmp_path, 3.0)
         assert reads > 1000 and mixed > 0, (reads, mixed)
     finally:

@@ -155,13 +155,7 @@ def straggler_plot(d: RunData, ranking: list[dict[str, Any]]) -> Plot:
     if not series:   # the shipped rules are not loaded in this Prometheus: the same ratio written out
         series = d.series(peer_ratio_promql(d.sel, d.rate_window))
         source = "computed (recording rules not loaded)"
-    points = 0
-    for labels, values in sorted(series, key=lambda item: rank_key(item[0])):
-        kept = [(t, v) for t, v in values if finite(v)]
-        points += len(kept)
-        if kept:
-            line.plot(_dates([t for t, _ in kept]), [v for _, v in kept], label=f"rank {labels.get('rank')}",
-                      linewidth=1 if len(series) <= MAX_LEGEND else 0.5)
+    points = _plot_per_rank(line, series)
     if points:
         line.axhline(STRAGGLER_RATIO, color="#c44e52", linestyle="--", linewidth=1,
                      label=f"alert bar {STRAGGLER_RATIO}")
@@ -174,17 +168,23 @@ def straggler_plot(d: RunData, ranking: list[dict[str, Any]]) -> Plot:
     return Plot("straggler_ranking", "Straggler ranking", _png(fig), len(ranking) + points)
 
 
-def loss_plot(d: RunData) -> Plot:
-    fig = _figure(10, 4)
-    ax = fig.add_subplot()
+def _plot_per_rank(ax, series: list) -> int:
+    """One line per rank, in rank order, of its finite values; the number of points drawn."""
     points = 0
-    losses = d.series(f"rankscope_loss{{{d.sel}}}")
-    for labels, values in sorted(losses, key=lambda item: rank_key(item[0])):
+    for labels, values in sorted(series, key=lambda item: rank_key(item[0])):
         kept = [(t, v) for t, v in values if finite(v)]
         points += len(kept)
         if kept:
             ax.plot(_dates([t for t, _ in kept]), [v for _, v in kept], label=f"rank {labels.get('rank')}",
-                    linewidth=1 if len(losses) <= MAX_LEGEND else 0.5)
+                    linewidth=1 if len(series) <= MAX_LEGEND else 0.5)
+    return points
+
+
+def loss_plot(d: RunData) -> Plot:
+    fig = _figure(10, 4)
+    ax = fig.add_subplot()
+    losses = d.series(f"rankscope_loss{{{d.sel}}}")
+    points = _plot_per_rank(ax, losses)
     lr_points = 0
     lr = d.series(f"avg by (run) (rankscope_learning_rate{{{d.sel}}})")
     if lr:
