@@ -47,14 +47,14 @@ from rankscope.tracing import Tracing
 
 if TYPE_CHECKING:
     import torch
-    from rankscope.sinks import Sink
+    from rankscope.sinks import SinkProcess
 
 log = logging.getLogger("rankscope")
 
 
 class RankParts:
     def __init__(self, cfg: MonitorConfig, identity: RankIdentity, run_dir: Path, layout: Layout,
-                 flops: FlopsConfig, errors: TelemetryErrors, tracing: Tracing, sink: Sink | None,
+                 flops: FlopsConfig, errors: TelemetryErrors, tracing: Tracing, sink: SinkProcess | None,
                  backend: str | None, device: Any):
         self.errors, self.tracing, self.sink = errors, tracing, sink
         self.registration = prepare_run_dir(run_dir, identity)

@@ -17,6 +17,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -158,6 +159,34 @@ def test_mlflow_backend_to_a_dead_server_counts_drops(tmp_path):
     assert any("mlflow" in r for r in drops.reasons)
 
 
+def test_the_sink_runs_in_a_process_of_its_own_whose_drops_rank_0_counts():
+    """The sink's scrapes, summaries and writes run in a child process (they once took rank 0's
+    interpreter from its training thread): rank 0 holds only the thread that counts what the
+    child reports, here the records lost because no exporter answers."""
+    drops = _Drops()
+    sink = sinks.SinkProcess([f"http://127.0.0.1:{free_port()}/metrics"], "r", 0.2, [], drops.drop)
+    sink.start()
+    try:
+        assert sink.child is not None and sink.child.poll() is None
+        ours = sorted(t.name for t in threading.enumerate() if t.name.startswith("rankscope-sink"))
+        assert ours == ["rankscope-sink-reports"], ours
+        wait_until(lambda: drops.n >= 2, timeout=30, what="drops reported by the sink's process")
+    finally:
+        t0 = time.monotonic()
+        sink.stop(timeout_s=3.0)
+        took = time.monotonic() - t0
+    assert sink.child.returncode == 0 and took < 3.0 + sinks.process.STOP_MARGIN_S, (sink.child.returncode, took)
+    assert drops.reasons and all("no exporter answered" in r for r in drops.reasons), drops.reasons
+
+
+def test_the_sink_process_ends_when_rank_0_goes_away():
+    """Rank 0 killed: the end of the pipe it held tells the child to write its last record and end."""
+    sink = sinks.SinkProcess([f"http://127.0.0.1:{free_port()}/metrics"], "r", 0.2, [], _Drops().drop)
+    sink.start()
+    sink.child.stdin.close()   # what rank 0's death does to the pipe
+    assert sink.child.wait(sinks.process.LIFELINE_CLOSED_STOP_S + 5) == 0
+
+
 FULL_DISK = r"""
 import resource, signal, sys, time
 from pathlib import Path
@@ -236,10 +265,10 @@ def _check_series(series: dict[str, list[tuple[int, float]]]) -> None:
     assert len(series[T + "step_time/median"]) >= 5, series[T + "step_time/median"]
     assert series[T + "step_time/median"][-1][0] >= 250          # the last record is near the last step (299)
     slowest = [int(v) for _, v in series[T + "slowest_rank"]]
-    # Rank 1, in (nearly) every record: on CPU, DDP's own timers are sampled one step in ten,
-    # and between samples the waiting rank 0's backward can read as compute, so on a loaded
-    # machine an odd one-second record may name rank 0.
-    assert slowest.count(1) >= 0.8 * len(slowest) and slowest[-1] == 1, slowest
+    # Rank 1 in every record after the first, whose steps ran before DDP's first sampled timers
+    # told rank 0's wait from its compute. When the sink was a thread of rank 0's process, MLflow's
+    # import and schema slowed rank 0's own steps, and the first four records named it, rightly.
+    assert all(rank == 1 for rank in slowest[1:]), slowest
     ratios = [v for _, v in series[T + "straggler_ratio"]]
     assert statistics.median(ratios) > 1.5, ratios
     for tag in (T + "events/nonfinite", T + "events/oom", T + "events/restarts", T + "events/hang_suspects"):

@@ -25,17 +25,19 @@ alert rules' (``rankscope.pages.figures``):
 
 Its parts: ``summary`` (the common summary, pure), ``collector`` (the ``Sink``: reads the
 pages, summarises), ``backend`` (a backend's writer thread and bounded queue),
-``tensorboard`` and ``mlflow`` (the two backends and their start-up checks).
+``tensorboard`` and ``mlflow`` (the two backends and their start-up checks), ``process``
+(the child process the ``Sink`` runs in, and rank 0's handle on it).
 
-Threads (all daemons of the rank 0 process, none on the training path):
+The sink runs in a child process of rank 0 (``rankscope.sinks.process``), so that none of
+its work takes the training thread's interpreter. Its threads there:
 ``rankscope-sink`` scrapes and summarises every ``interval_s``; each backend has
 its writer thread (``rankscope-sink-tensorboard``, ``rankscope-sink-mlflow``)
 behind a bounded queue. A record that does not fit, or that its backend fails
 to write (a dead MLflow server, a full disk), is dropped and counted in
-``rankscope_telemetry_dropped_total{what="sink"}``.
+``rankscope_telemetry_dropped_total{what="sink"}`` (on rank 0: the child reports each drop).
 
 This package imports neither tensorboard nor mlflow until a writer thread opens
-its backend; ``build`` checks at start-up that what is configured can work.
+its backend (in the child); ``build`` checks at start-up that what is configured can work.
 """
 
 from __future__ import annotations
@@ -50,16 +52,17 @@ from rankscope.sinks.mlflow import (MLFLOW_EVENT_TAG, MLFLOW_HTTP_DEFAULTS, MLFL
                                     MLFLOW_SCHEMES, SQL_SCHEMES, MlflowBackend)
 from rankscope.sinks.mlflow import check_store
 from rankscope.sinks.mlflow import check_uri as check_mlflow_uri
+from rankscope.sinks.process import SinkProcess
 from rankscope.sinks.summary import TAG, WANTED, RankValues, Record, Summarizer, parse_page
 from rankscope.sinks.tensorboard import EVENTS_TEXT_TAG, TensorBoardBackend, check_directory
 
 __all__ = ["EVENTS_TEXT_TAG", "MLFLOW_EVENT_TAG", "MLFLOW_HTTP_DEFAULTS", "MLFLOW_PENDING", "MLFLOW_RUN_TAG",
            "MLFLOW_SCHEMES", "QUEUE_MIN_RECORDS", "QUEUE_SECONDS", "SCRAPE_TIMEOUT_S", "SQL_SCHEMES", "TAG", "WANTED",
-           "Backend", "MlflowBackend", "RankValues", "Record", "Sink", "Summarizer", "TensorBoardBackend", "Writer",
+           "Backend", "MlflowBackend", "RankValues", "Record", "Sink", "SinkProcess", "Summarizer", "TensorBoardBackend", "Writer",
            "build", "check_mlflow_uri", "exporter_urls", "log", "parse_page"]
 
 
-def build(config: Any, identity: Any, errors: Any) -> Sink | None:
+def build(config: Any, identity: Any, errors: Any) -> SinkProcess | None:
     """The sink this rank runs, or None (not rank 0, or nothing configured). Checks now, at
     start-up, everything that would otherwise fail later: the optional packages, a directory
     that cannot be written, a database whose directory does not exist. Starts nothing."""
@@ -80,4 +83,4 @@ def build(config: Any, identity: Any, errors: Any) -> Sink | None:
     if config.mlflow_tracking_uri is not None:
         check_store(config.mlflow_tracking_uri)
         writers.append(MlflowBackend(config.mlflow_tracking_uri, config.mlflow_experiment, identity.run))
-    return Sink(urls, identity.run, config.sink_interval_s, writers, errors.drop)
+    return SinkProcess(urls, identity.run, config.sink_interval_s, writers, errors.drop)
