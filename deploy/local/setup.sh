@@ -8,5 +8,13 @@ cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
 extras=${1:-}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# pip takes ~10 s to find that nothing changed: skip it while pyproject.toml and the extras are
+# what the last install had and rankscope still imports.
+stamp=".venv/.rankscope-installed-${extras:-base}"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) torch==2.13.0"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import rankscope" 2>/dev/null; then
+    exit 0
+fi
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"
+echo "$want" > "$stamp"

@@ -378,7 +378,7 @@ def test_publishes_never_overlap(monitor):
 def test_a_cuda_anomaly_found_after_the_step_is_traced(tmp_path, monkeypatch):
     """On CUDA the loss is judged by the publisher once the device is done; a
     NaN found then is traced like one found on the training thread."""
-    from tests.unit.test_tracing_unit import ATTR_ANOMALY, ATTR_STEP, ROOT_SPAN
+    from rankscope.tracing.api import ATTR_ANOMALY, ATTR_STEP, ROOT_SPAN
 
     for var in LAUNCH_VARS:
         monkeypatch.delenv(var, raising=False)
