@@ -225,8 +225,8 @@ def test_an_instrumented_ddp_step_adds_no_sync(nccl_group, device_given):
         phases = {p: c._value.get() for p, c in m.phase.items()}
         timed = sum(b.get() for b in m.collective("all_reduce").duration._buckets)
         figures = {"syncs": dict(syncs), "faults": telemetry_faults(monitor), "steps": m.steps._value.get(),
-                   "timed_buckets": timed, "phases_s": phases, "loss": m.loss._value.get(),
-                   "grad_norm": m.grad_norm._value.get(), "lr": m.lr._value.get(),
+                   "timed_buckets": timed, "phases_s": phases, "loss": m.observed["loss"]._value.get(),
+                   "grad_norm": m.observed["grad_norm"]._value.get(), "lr": m.observed["lr"]._value.get(),
                    "gauge": gauge._children[()]._value.get()}
         record(f"ddp_step_{device_given or 'no_device'}", figures)
         assert sum(syncs.values()) == 0, syncs

@@ -54,7 +54,7 @@ while True:
     m.step.set(step)
     m.step_duration.observe(0.05)
     m.step_ts.set(now)
-    m.loss.set(1.0 / (step + 1))
+    m.observed["loss"].set(1.0 / (step + 1))
     m.collective("all_reduce").duration.observe(0.01)
     step += 1
     time.sleep(0.1)

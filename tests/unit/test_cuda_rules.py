@@ -86,9 +86,9 @@ def test_a_ddp_job_on_its_rank_gpu_touches_no_other_device_and_never_waits(gloo_
             losses = train(monitor, model, gauge=gauge)
             publish(monitor)
             m = monitor.parts.metrics
-            assert m.loss._value.get() == pytest.approx(losses[-1], rel=1e-6)
-            assert m.lr._value.get() == pytest.approx(0.1)
-            assert m.grad_norm._value.get() > 0
+            assert m.observed["loss"]._value.get() == pytest.approx(losses[-1], rel=1e-6)
+            assert m.observed["lr"]._value.get() == pytest.approx(0.1)
+            assert m.observed["grad_norm"]._value.get() > 0
             assert m.collective("all_reduce").duration._sum.get() > 0      # every bucket timed by events
             assert sum(m.phase[p]._value.get() for p in ("forward", "backward", "optimizer")) > 0
             assert gauge._children[()]._value.get() == pytest.approx(2 * losses[-1], rel=1e-6)
@@ -110,7 +110,7 @@ def test_a_monitor_made_before_set_device_times_the_device_set_after(monitor_env
             losses = train(monitor, torch.nn.Linear(4, 2))
             publish(monitor)
             assert monitor.parts.device.index == RANK_GPU
-            assert monitor.parts.metrics.loss._value.get() == pytest.approx(losses[-1], rel=1e-6)
+            assert monitor.parts.metrics.observed["loss"]._value.get() == pytest.approx(losses[-1], rel=1e-6)
             assert faults(monitor) == {}
         finally:
             monitor.close()

@@ -87,7 +87,7 @@ def write_rank(metrics_dir: Path, run: str, node: str, rank: int, world: int, st
         m.step_ts.set(now)
         m.heartbeat.set(now)
         m.data_wait.observe(d / (5 + step % 4))
-        m.loss.set(1.0 / (step + 1 + rank))
+        m.observed["loss"].set(1.0 / (step + 1 + rank))
         for phase, share in (("data", 0.1), ("forward", 0.3), ("backward", 0.5), ("optimizer", 0.1)):
             m.phase[phase].inc(d * share)
         m.wall["productive"].inc(d)

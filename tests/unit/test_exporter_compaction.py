@@ -218,7 +218,7 @@ for i in range(n):
         for d in (0.01, 0.2, 3.0):
             m.step_duration.observe(d * (1 + i % 3))
         m.collective("all_reduce").bytes.inc(4096 * (i + 1))
-        m.loss.set(1.0 / (i + 1))
+        m.observed["loss"].set(1.0 / (i + 1))
         m.heartbeat.set(time.time())
         os._exit(0)
     os.waitpid(pid, 0)

@@ -24,6 +24,7 @@ from rankscope.contract import catalog
 from rankscope.contract.catalog import MetricSpec
 from rankscope.contract.environment import ConfigError
 from rankscope.publishing.mmapfile import ReservedMmapedDict
+from rankscope.step.observed import OBSERVED_VALUES
 
 _value_classes: dict[Path, type] = {}
 _lock = threading.RLock()  # re-entrant: children may be created while creating others
@@ -121,11 +122,9 @@ class RankMetrics:
             # Bound only when known (bind_flops): a CPU job has no MFU, not an MFU of 0.
             self.model_flops = None
             self.peak_flops = None
-            self.loss = b("rankscope_loss")
+            self.observed = {v.name: b(v.metric) for v in OBSERVED_VALUES}   # each one's last reading
             self.loss_ema = b("rankscope_loss_ema")
             self.loss_z = b("rankscope_loss_zscore")
-            self.grad_norm = b("rankscope_grad_norm")
-            self.lr = b("rankscope_learning_rate")
             self.values_fence_begin = b(catalog.VALUES_FENCE_BEGIN)
             self.values_written = 0
             self.nonfinite = {w: m["rankscope_nonfinite_total"].labels(*ident, w) for w in catalog.NONFINITE_WHAT}

@@ -250,11 +250,10 @@ class Publisher:
 
 
 def write_step_values(m: RankMetrics, acc: Accumulator) -> None:
-    """The last step's number, time, compute, loss, gradient norm and learning rate, written in one
+    """The last step's number, time, compute and observed values (loss, gradient norm, ...), written in one
     stretch between the fences (``RankMetrics.values_fence_*``): the exporter never takes one
     step's loss beside another step's gradient norm (rankscope.exporter.reader)."""
-    if not (acc.steps or acc.losses or acc.grad_norms or not math.isnan(acc.lr)
-            or not math.isnan(acc.last_compute)):
+    if not (acc.steps or acc.observed or not math.isnan(acc.last_compute)):
         return
     m.values_written += 1
     m.values_fence_begin.set(m.values_written)
@@ -264,15 +263,11 @@ def write_step_values(m: RankMetrics, acc: Accumulator) -> None:
         m.step.set(acc.last_step)
     if not math.isnan(acc.last_compute):
         m.step_last_compute.set(acc.last_compute)
-    if acc.losses:
-        m.loss.set(acc.losses[-1])
+    for name, number in acc.observed.items():
+        m.observed[name].set(number)
     if not math.isnan(acc.loss_ema):
         m.loss_ema.set(acc.loss_ema)
         m.loss_z.set(acc.loss_z)
-    if acc.grad_norms:
-        m.grad_norm.set(acc.grad_norms[-1])
-    if not math.isnan(acc.lr):
-        m.lr.set(acc.lr)
     m.values_fence_end.set(m.values_written)
 
 

@@ -31,6 +31,7 @@ from rankscope.holds import LongestHold
 from rankscope.step import values
 from rankscope.step.goodput import Progress, TimeUse
 from rankscope.step.judging import Judge, Verdict
+from rankscope.step.observed import NAMES, VERSIONED
 from rankscope.step.records import DevicePhasesRead, DeviceValueRead, IntervalEnded, Overflow, StepEnded, TraceContext
 from rankscope.step.trace_feed import TraceFeed
 from rankscope.step.watched import Watched
@@ -60,7 +61,7 @@ class Accumulator:
     """What the steps worked out since the last publish add up to."""
 
     __slots__ = ("steps", "durations", "phase", "samples", "tokens", "last_step", "last_duration",
-                 "last_end", "last_compute", "losses", "grad_norms", "lr", "ooms", "nonfinite_loss",
+                 "last_end", "last_compute", "observed", "ooms", "nonfinite_loss",
                  "nonfinite_grad", "loss_spikes", "grad_spikes", "loss_ema", "loss_z", "data_waits", "wall")
 
     def __init__(self) -> None:
@@ -73,9 +74,7 @@ class Accumulator:
         self.last_duration = 0.0
         self.last_end = 0.0
         self.last_compute = math.nan               # the last step's compute seconds (STRAGGLER_PHASES)
-        self.losses: list[float] = []
-        self.grad_norms: list[float] = []
-        self.lr = math.nan
+        self.observed: dict[str, float] = {}       # each observed value's last reading (rankscope.step.observed)
         self.ooms = 0
         self.nonfinite_loss = 0
         self.nonfinite_grad = 0
@@ -105,6 +104,9 @@ class StepAccounting:
         self._handlers: dict[type, Callable[[Any, Accumulator, float], None]] = {
             tuple: self._step, IntervalEnded: self._interval,
             DeviceValueRead: self._device_value, DevicePhasesRead: self._device_phases}
+        # The observed values a judge watches (rankscope.step.judging); the others are kept as read.
+        self._judged: dict[str, Callable[[float, Accumulator], str]] = {
+            "loss": self._apply_loss, "grad_norm": self._apply_grad_norm}
 
     def take(self, entries: deque, device: Iterable[DeviceValueRead | DevicePhasesRead], overflow: Overflow,
              ooms: int) -> Accumulator:
@@ -174,17 +176,16 @@ class StepAccounting:
         acc.last_step = e.number
         acc.last_duration = duration
         acc.last_end = start_unix + duration
-        loss = self._read("loss", e.loss, e.loss_version)
-        grad = self._read("grad_norm", e.grad_norm, e.grad_version)
-        lr = self._read("lr", e.lr, None)
         anomaly = ""
-        if loss is not None:
-            anomaly = self._apply_loss(loss, acc)
-        if grad is not None:
-            grad_anomaly = self._apply_grad_norm(grad, acc)
-            anomaly = anomaly or grad_anomaly   # the loss is the primary signal
-        if lr is not None:
-            acc.lr = lr
+        loss = None
+        for name, value, version, versioned in zip(NAMES, e.values, e.versions, VERSIONED):
+            number = self._read(name, value, version if versioned else None)
+            if number is None:
+                continue
+            found = self._apply(name, number, acc)
+            anomaly = anomaly or found   # the first value's: the loss is the primary signal
+            if name == "loss":
+                loss = number            # traced with the step
         if self._judge.slow_step(e.number, duration) and not anomaly:
             anomaly = "slow_step"
         if self._trace_feed.enabled:
@@ -193,10 +194,7 @@ class StepAccounting:
 
     def _device_value(self, entry: DeviceValueRead, acc: Accumulator, to_unix: float) -> None:
         what, number, step = entry
-        if what == "lr":
-            acc.lr = number
-            return
-        anomaly = self._apply_loss(number, acc) if what == "loss" else self._apply_grad_norm(number, acc)
+        anomaly = self._apply(what, number, acc)
         if anomaly and step is not None:
             # The loss is the primary signal; a grad anomaly is traced with no loss value.
             self._trace_feed.submit(step, anomaly, number if what == "loss" else None)
@@ -207,9 +205,14 @@ class StepAccounting:
         acc.last_compute = compute_seconds(entry.phases, self._watched.comm.waits_known_each_step)
 
     # -- the verdicts, applied ------------------------------------------------------------
+    def _apply(self, name: str, number: float, acc: Accumulator) -> str:
+        """An observed value's reading: kept as its last, and judged if a judge watches it."""
+        acc.observed[name] = number
+        judged = self._judged.get(name)
+        return judged(number, acc) if judged is not None else ""
+
     def _apply_loss(self, loss: float, acc: Accumulator) -> str:
         verdict: Verdict = self._judge.loss(loss)
-        acc.losses.append(loss)
         if verdict.anomaly == "nonfinite_loss":
             acc.nonfinite_loss += 1
         else:
@@ -219,7 +222,6 @@ class StepAccounting:
 
     def _apply_grad_norm(self, norm: float, acc: Accumulator) -> str:
         verdict = self._judge.grad_norm(norm)
-        acc.grad_norms.append(norm)
         acc.nonfinite_grad += verdict.anomaly == "nonfinite_grad"
         acc.grad_spikes += verdict.anomaly == "grad_spike"
         return verdict.anomaly

@@ -31,6 +31,7 @@ from rankscope.device.rank_device import RankDevice
 from rankscope.device.reads import DeviceStep
 from rankscope.errors import TelemetryErrors
 from rankscope.step import values
+from rankscope.step.observed import NAMES
 from rankscope.step.records import IntervalEnded, Overflow, StepEnded, TraceContext
 from rankscope.step.trace_feed import TraceFeed
 from rankscope.step.watched import Watched
@@ -106,7 +107,7 @@ class StepHandoff:
         if exc is not None:
             self._failed(s, t1, exc)
             return
-        loss, grad, lr = s.loss, s.grad_norm, s.lr
+        observed = s.values
         exposed = 0.0
         on_device = False
         watched = self._watched
@@ -116,19 +117,16 @@ class StepHandoff:
                 exposed = self._exposed_wait(comm, s)
                 comm.step_ended()
             if self._device.events is not None or self._cuda_possible and (
-                    (loss is not None and type(loss) is not float or grad is not None and type(grad) is not float
-                     or lr is not None and type(lr) is not float) and self._binds_device(loss, grad, lr)):
+                    any(v is not None and type(v) is not float for v in observed) and self._binds_device(observed)):
                 on_device = True
-                loss, grad, lr = self._defer_to_device(s, t1, comm)
+                observed = self._defer_to_device(s, t1, comm)
         except Exception:
             self._errors.error("step")
         self.steps_seen += 1   # after the device is bound: rank_info waits for this (rankscope.publishing.startup)
         # A plain tuple laid out as StepEnded (the publisher reads it as one): the cheapest thing to
         # build here, where every line runs cache-cold.
         ended = (s.number, s.numbered, s.t0, t1, s.samples, s.tokens, s.data_unlogged, s.phase_log, exposed,
-                 loss, None if loss is None or type(loss) is float else getattr(loss, "_version", None),
-                 grad, None if grad is None or type(grad) is float else getattr(grad, "_version", None), lr,
-                 on_device)
+                 observed, [getattr(v, "_version", None) for v in observed], on_device)
         if len(self.entries) < MAX_PENDING_STEPS:
             self.entries.append(ended)
         else:
@@ -157,7 +155,7 @@ class StepHandoff:
         backward = sum(b - a for name, a, b in s.phase_log if name == "backward")
         return comm.exposed_wait(s.backward_start, s.backward_end, backward)
 
-    def _binds_device(self, *observed: Any) -> bool:
+    def _binds_device(self, observed: list[Any]) -> bool:
         """A rank whose CUDA device was not known (``Monitor()`` without one, no CUDA model
         watched) learns it from the first CUDA value it observes: from this step on, its
         values and phases are read from the device, never with a sync."""
@@ -169,16 +167,14 @@ class StepHandoff:
                 return self._device.bind(index)
         return False
 
-    def _defer_to_device(self, s: Step, t1: float, comm: CommTiming) -> tuple[Any, Any, Any]:
+    def _defer_to_device(self, s: Step, t1: float, comm: CommTiming) -> list[Any]:
         """CUDA: queue the phase events and the values' copies now, on the device's stream."""
         duration = t1 - s.t0
         data = s.data_unlogged + sum(b - a for name, a, b in s.phase_log if name == "data")
         reads = self._device.reads
         reads.defer_step(DeviceStep(duration, data, s.device_phases, comm.last_device_bucket()))
         context = self._trace_feed.context_of(s, duration) if self._trace_feed.enabled else None
-        return (self._defer_value(reads, "loss", s.loss, context),
-                self._defer_value(reads, "grad_norm", s.grad_norm, context),
-                self._defer_value(reads, "lr", s.lr, context))
+        return [self._defer_value(reads, name, value, context) for name, value in zip(NAMES, s.values)]
 
     def _defer_value(self, reads: DeviceReads, what: str, value: Any, context: TraceContext | None) -> Any:
         """A device tensor (or a sequence holding one) is reduced here, on the training thread,

@@ -35,11 +35,10 @@ class StepEnded(NamedTuple):
     data_unlogged: float        # seconds waited for batches beyond the phase log's bound
     phase_log: list             # (phase name, start, end) on perf_counter, in order
     exposed: float              # seconds of backward that only waited for communication (DDP strategies)
-    loss: Any                   # as observed; None when absent or deferred to the device
-    loss_version: int | None    # a tensor's version counter at the step's end: modified later, it is dropped
-    grad_norm: Any
-    grad_version: int | None
-    lr: Any
+    values: list                # as observed, in OBSERVED_VALUES' order (rankscope.step.observed); None when
+                                # absent or deferred to the device
+    versions: list              # each tensor's version counter at the step's end, else None (a value
+                                # declared versioned and modified later is dropped)
     on_device: bool             # phases and values come from the CUDA device (rankscope.device.reads)
 
 
@@ -65,7 +64,7 @@ class TraceContext:
 
 
 class DeviceValueRead(NamedTuple):
-    """A CUDA ``loss``, ``grad_norm`` or ``lr``, read once the device was done with it."""
+    """A CUDA observed value (``rankscope.step.observed``), read once the device was done with it."""
 
     what: str
     number: float

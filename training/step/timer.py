@@ -27,10 +27,12 @@ from typing import Any, Callable
 from rankscope.collectives.tracker import CollectiveTracker
 from rankscope.contract.catalog import PHASES
 from rankscope.errors import UsageError
+from rankscope.step.observed import OBSERVED_VALUES
 from rankscope.step.values import Observed
 from rankscope.step.watched import Watched
 
 MAX_PENDING_FETCHES = 10_000   # batches fetched before one step whose waits are logged one by one
+_SLOTS = len(OBSERVED_VALUES)
 
 
 class Phase:
@@ -119,9 +121,7 @@ class Step:
         self.device_phases: list[tuple[str, Any, Any]] = []
         self.backward_start = 0.0
         self.backward_end = 0.0
-        self.loss: Any = None
-        self.grad_norm: Any = None
-        self.lr: Any = None
+        self.values: list[Any] = [None] * _SLOTS   # what observe() got, one slot per value
 
     def phase(self, name: str) -> Phase:
         """Time a phase: ``data``, ``forward``, ``backward``, ``optimizer`` (or ``other``).
@@ -144,12 +144,13 @@ class Step:
         if not self.open:
             self.timer.on_drop("late_value", "step.observe() after its step ended")
             return
+        values = self.values   # slots in OBSERVED_VALUES' order
         if loss is not None:
-            self.loss = loss
+            values[0] = loss
         if grad_norm is not None:
-            self.grad_norm = grad_norm
+            values[1] = grad_norm
         if lr is not None:
-            self.lr = lr
+            values[2] = lr
 
     def count(self, samples: int = 0, tokens: int = 0) -> None:
         """Add samples and tokens to the open step (micro-batches counted as they arrive)."""
@@ -247,7 +248,7 @@ class StepTimer:
             raise _nested(s)
         s.open = True
         self._next_number = s.number + 1
-        s.loss = s.grad_norm = s.lr = None
+        s.values = [None] * _SLOTS   # the last step's list went with it to the publisher
         s.backward_end = 0.0
         if self._pending_start:
             s.t0 = self._pending_start

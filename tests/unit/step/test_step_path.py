@@ -78,8 +78,8 @@ def test_the_record_a_step_hands_over_is_laid_out_as_step_ended(tmp_path):
     assert before <= e.t0 <= e.t1 <= time.perf_counter()
     assert e.data_unlogged == 0.0 and e.exposed == 0.0 and e.on_device is False
     assert [name for name, _, _ in e.phase_log] == ["forward", "backward"]
-    assert e.loss is loss and e.loss_version == loss._version
-    assert (e.grad_norm, e.grad_version, e.lr) == (2.5, None, 0.125)
+    assert e.values[0] is loss and e.values[1:] == [2.5, 0.125]   # in OBSERVED_VALUES' order
+    assert e.versions == [loss._version, None, None]   # floats have none
 
 
 def test_one_take_returns_the_totals_of_steps_device_reads_overflow_and_ooms(tmp_path):
@@ -93,9 +93,9 @@ def test_one_take_returns_the_totals_of_steps_device_reads_overflow_and_ooms(tmp
     assert not handoff.entries   # taken
     assert acc.steps == 5 and acc.samples == 20 and acc.tokens == 160
     assert acc.last_step == 99 and acc.last_duration == 0.5   # the overflow's step ended last
-    assert acc.losses[:2] == [2.0, 1.0] and math.isnan(acc.losses[2]) and acc.losses[3] == 0.75
-    assert acc.nonfinite_loss == 1 and acc.nonfinite_grad == 1 and acc.grad_norms == [0.5, 0.5, 0.5, math.inf]
-    assert acc.lr == 0.01 and acc.ooms == 3
+    assert acc.observed == {"loss": 0.75, "grad_norm": math.inf, "lr": 0.01}   # each one's last reading
+    assert acc.nonfinite_loss == 1 and acc.nonfinite_grad == 1   # every reading judged: the NaN loss, the inf norm
+    assert acc.ooms == 3
     assert acc.last_compute == 0.05   # the device's phases of the last step
     again = accounting.take(handoff.entries, (), Overflow(), ooms=3)
     assert again.steps == 0 and again.ooms == 0   # the OOM count is taken as a delta
