@@ -8,7 +8,7 @@ scrape of a node with thousands of series. A series' text up to its value
 and labels, so it is rendered once per output format, by the library's own
 encoder (a one-sample family), and kept. A scrape appends value text to
 those prefixes; the header of a family (``# HELP``/``# TYPE``) is kept the
-same way. The bytes are identical to the library's (tests/unit/test_exporter_reader.py
+same way. The bytes are identical to the library's (tests/unit/exporter/test_reader.py
 compares them), because the library renders every piece.
 
 Merged rank families (``rankscope.exporter.reader.MergedFamily``) bring their

@@ -3,7 +3,10 @@
     tests/unit/         the fast tier (bash tests/run.sh --fast): unit and static tests, no
                         torchrun job, no exporter process, no Prometheus/Alertmanager server, no
                         other long-running process (short tools such as promtool, amtool or
-                        systemd-analyze are fine)
+                        systemd-analyze are fine). A package's tests mirror it:
+                        tests/unit/<package>/test_<module>.py (rankscope.step.accounting's in
+                        tests/unit/step/); a top-level module's and the static checks of the
+                        repository's rules, dashboards, deploy files and docs sit flat
     tests/integration/  real jobs, exporters, Prometheus, Alertmanager, OTLP receivers, browsers
     tests/drills/       whole incidents end to end: the alert drills, a healthy run paging
                         nothing, and the fault matrix (its own tier: bash tests/run.sh --matrix)

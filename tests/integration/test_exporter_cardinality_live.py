@@ -1,4 +1,4 @@
-"""--rank-histograms with real exporters, promtool and Prometheus (the unit tests: tests/unit/test_exporter_cardinality.py)."""
+"""--rank-histograms with real exporters, promtool and Prometheus (the unit tests: tests/unit/exporter/test_cardinality.py)."""
 
 from __future__ import annotations
 import subprocess
@@ -9,7 +9,7 @@ from rankscope.exporter import catalog as exporter_catalog
 from rankscope.exporter.catalog import node_histogram_name
 from rankscope.exporter.exposition import Renderer
 
-from tests.unit.test_exporter_cardinality import (Frozen, HISTOGRAMS, LIVE_RANKS, OPENMETRICS, TIME_DERIVED, collect, family_of, live_node, metrics_dir, one_run_dir, page, relabel_examples, scrape)  # noqa: F401 - fixtures too
+from tests.unit.exporter.test_cardinality import (Frozen, HISTOGRAMS, LIVE_RANKS, OPENMETRICS, TIME_DERIVED, collect, family_of, live_node, metrics_dir, one_run_dir, page, relabel_examples, scrape)  # noqa: F401 - fixtures too
 
 
 @pytest.mark.integration

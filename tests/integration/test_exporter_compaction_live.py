@@ -1,4 +1,4 @@
-"""Compaction inside a real exporter process (the unit tests: tests/unit/test_exporter_compaction.py)."""
+"""Compaction inside a real exporter process (the unit tests: tests/unit/exporter/test_compaction.py)."""
 
 from __future__ import annotations
 import subprocess
@@ -7,9 +7,9 @@ import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 from rankscope.contract.rundir import load_registrations
 from rankscope.exporter.reader import Reader
-from tests.unit.test_exporter_reader import canon, files_of
+from tests.unit.exporter.test_reader import canon, files_of
 
-from tests.unit.test_exporter_compaction import (FARM, MONOTONIC, assert_same_counts)  # noqa: F401 - fixtures too
+from tests.unit.exporter.test_compaction import (FARM, MONOTONIC, assert_same_counts)  # noqa: F401 - fixtures too
 
 
 @pytest.mark.integration

@@ -1,4 +1,4 @@
-"""The exit hook of a whole interpreter (tests/unit/test_integrations_api.py's, with a real process)."""
+"""The exit hook of a whole interpreter (tests/unit/integrations/test_events.py's, with a real process)."""
 
 from __future__ import annotations
 import os
@@ -6,7 +6,7 @@ import subprocess
 import sys
 import pytest
 
-from tests.unit.test_integrations_api import (LAUNCH_VARS, UNCAUGHT_IN_OPEN_STEP, read_run)  # noqa: F401 - fixtures too
+from tests.unit.integrations.test_events import (LAUNCH_VARS, UNCAUGHT_IN_OPEN_STEP, read_run)  # noqa: F401 - fixtures too
 
 
 @pytest.mark.integration   # a whole interpreter with torch and a Monitor: seconds, kept out of the fast tier

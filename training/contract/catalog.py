@@ -2,7 +2,7 @@
 
 This module is the rank side of the metric-name contract (docs/design.md,
 "The contract"). Rules, dashboards and tests refer only to names defined here
-or in ``rankscope.exporter.catalog``; ``tests/unit/test_catalog.py`` enforces it.
+or in ``rankscope.exporter.catalog``; ``tests/unit/contract/test_catalog.py`` enforces it.
 
 It imports nothing heavy (no torch, no prometheus_client) so that the exporter,
 the docs generator and the tests can read it cheaply.

@@ -1,7 +1,7 @@
 """Compaction of dead rank processes' files (rankscope.exporter.compaction).
 
 In-process tests write real files through prometheus_client (a chosen process
-identifier per simulated process, as tests/unit/test_exporter_reader.py does) with
+identifier per simulated process, as tests/unit/exporter/test_reader.py does) with
 registrations of processes that are gone, and check that what the exporter
 serves is the same before and after compaction, that prometheus_client's own
 merge reads the compacted files, that a new launch still removes them, and
@@ -27,7 +27,7 @@ from rankscope.exporter.compaction import Compactor
 from rankscope.exporter.config import ExporterConfig
 from rankscope.exporter.ranks import RankCollector
 from rankscope.exporter.reader import Reader
-from tests.unit.test_exporter_reader import Proc, canon, files_of
+from tests.unit.exporter.test_reader import Proc, canon, files_of
 
 GONE = 2**22 + 1000          # above any pid_max: processes that are gone
 MONOTONIC = ("_total", "_count", "_sum", "_bucket")

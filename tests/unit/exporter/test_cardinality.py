@@ -49,7 +49,7 @@ from rankscope.exporter.config import RANK_HISTOGRAM_MODES, ExporterConfig, Expo
 from rankscope.exporter.exposition import Renderer
 from rankscope.exporter.ranks import RankCollector
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SCALING = REPO / "docs" / "scaling.md"
 HISTOGRAMS = tuple(m.name for m in rank_catalog.RANK_METRICS if m.kind == "histogram")
 # Derived from the time of the scrape: they differ between two collections.
@@ -384,7 +384,7 @@ def test_relabel_examples_drop_what_the_doc_says(metrics_dir):
 RANK_PROCESS = r"""
 import sys, time
 from pathlib import Path
-from tests.unit.test_exporter_cardinality import write_rank
+from tests.unit.exporter.test_cardinality import write_rank
 write_rank(Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
 print("ready", flush=True)
 time.sleep(600)

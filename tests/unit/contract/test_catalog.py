@@ -15,7 +15,7 @@ from rankscope.contract import catalog
 ALL = catalog.RANK_METRICS + exporter_catalog.EXPORTER_METRICS
 BASE_UNITS = ("seconds", "bytes", "ratio", "celsius", "watts", "joules", "hertz", "total")
 FORBIDDEN_LABELS = {"job", "instance", "step", "le", "quantile", "pid"}
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def check_spec(spec) -> list[str]:

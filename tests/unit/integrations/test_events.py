@@ -183,7 +183,7 @@ def test_the_integrations_subpackage_is_in_the_wheel():
     import tomllib
     from pathlib import Path
 
-    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml").read_text())
     setuptools = pyproject["tool"]["setuptools"]
     assert "rankscope.integrations" in setuptools["packages"]
     assert set(pyproject["project"]["optional-dependencies"]) >= {"hf", "lightning"}
