@@ -58,8 +58,8 @@ from rankscope.sinks.tensorboard import EVENTS_TEXT_TAG, TensorBoardBackend, che
 
 __all__ = ["EVENTS_TEXT_TAG", "MLFLOW_EVENT_TAG", "MLFLOW_HTTP_DEFAULTS", "MLFLOW_PENDING", "MLFLOW_RUN_TAG",
            "MLFLOW_SCHEMES", "QUEUE_MIN_RECORDS", "QUEUE_SECONDS", "SCRAPE_TIMEOUT_S", "SQL_SCHEMES", "TAG", "WANTED",
-           "Backend", "MlflowBackend", "RankValues", "Record", "Sink", "SinkProcess", "Summarizer", "TensorBoardBackend", "Writer",
-           "build", "check_mlflow_uri", "exporter_urls", "log", "parse_page"]
+           "Backend", "MlflowBackend", "RankValues", "Record", "Sink", "SinkProcess", "Summarizer",
+           "TensorBoardBackend", "Writer", "build", "check_mlflow_uri", "exporter_urls", "log", "parse_page"]
 
 
 def build(config: Any, identity: Any, errors: Any) -> SinkProcess | None:

@@ -30,8 +30,6 @@ from typing import IO, Callable, Iterable
 
 from rankscope.sinks.backend import Backend
 
-log = logging.getLogger("rankscope")
-
 LIFELINE_CLOSED_STOP_S = 3.0   # rank 0 went away without stop: the last record and the writers' close, bounded
 STOP_MARGIN_S = 2.0            # beyond the child's own bound, before it is killed and its records counted lost
 
