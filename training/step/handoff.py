@@ -31,7 +31,7 @@ from rankscope.device.rank_device import RankDevice
 from rankscope.device.reads import DeviceStep
 from rankscope.errors import TelemetryErrors
 from rankscope.step import values
-from rankscope.step.observed import NAMES
+from rankscope.step.observed import NAMES, OBSERVED_VALUES
 from rankscope.step.records import IntervalEnded, Overflow, StepEnded, TraceContext
 from rankscope.step.trace_feed import TraceFeed
 from rankscope.step.watched import Watched
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 MAX_PENDING_STEPS = 10_000   # finished steps buffered between two publishes
 OOM_PUBLISH_WAIT_S = 1.0     # how long the training thread waits for the publish an OOM asks for
+_NO_VERSIONS = (None,) * len(OBSERVED_VALUES)   # a step that observed no tensor: no version to check
 
 
 class PublishNow:
@@ -123,10 +124,15 @@ class StepHandoff:
         except Exception:
             self._errors.error("step")
         self.steps_seen += 1   # after the device is bound: rank_info waits for this (rankscope.publishing.startup)
+        versions = _NO_VERSIONS
+        for v in observed:
+            if v is not None and type(v) is not float:   # a tensor among them: every one's version counter
+                versions = [None if w is None or type(w) is float else getattr(w, "_version", None) for w in observed]
+                break
         # A plain tuple laid out as StepEnded (the publisher reads it as one): the cheapest thing to
         # build here, where every line runs cache-cold.
         ended = (s.number, s.numbered, s.t0, t1, s.samples, s.tokens, s.data_unlogged, s.phase_log, exposed,
-                 observed, [getattr(v, "_version", None) for v in observed], on_device)
+                 observed, versions, on_device)
         if len(self.entries) < MAX_PENDING_STEPS:
             self.entries.append(ended)
         else:

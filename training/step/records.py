@@ -16,7 +16,7 @@ A traced step, as the tracer takes it, is the tracer's own record
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 
 class StepEnded(NamedTuple):
@@ -37,7 +37,7 @@ class StepEnded(NamedTuple):
     exposed: float              # seconds of backward that only waited for communication (DDP strategies)
     values: list                # as observed, in OBSERVED_VALUES' order (rankscope.step.observed); None when
                                 # absent or deferred to the device
-    versions: list              # each tensor's version counter at the step's end, else None (a value
+    versions: Sequence          # each tensor's version counter at the step's end, else None (a value
                                 # declared versioned and modified later is dropped)
     on_device: bool             # phases and values come from the CUDA device (rankscope.device.reads)
 
