@@ -179,6 +179,18 @@ def test_the_sink_runs_in_a_process_of_its_own_whose_drops_rank_0_counts():
     assert drops.reasons and all("no exporter answered" in r for r in drops.reasons), drops.reasons
 
 
+def test_a_sink_process_that_fails_is_counted_at_once(monkeypatch):
+    """A child that cannot run (here: no Python at all) loses every record: counted when it ends,
+    not only at close, and training's start is not stopped by it."""
+    drops = _Drops()
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    sink = sinks.SinkProcess([f"http://127.0.0.1:{free_port()}/metrics"], "r", 0.2, [], drops.drop)
+    sink.start()
+    wait_until(lambda: drops.n >= 1, timeout=10, what="the failed sink process counted")
+    assert any("ended with 1" in r or "did not start" in r for r in drops.reasons), drops.reasons
+    sink.stop(timeout_s=1.0)
+
+
 def test_the_sink_process_ends_when_rank_0_goes_away():
     """Rank 0 killed: the end of the pipe it held tells the child to write its last record and end."""
     sink = sinks.SinkProcess([f"http://127.0.0.1:{free_port()}/metrics"], "r", 0.2, [], _Drops().drop)

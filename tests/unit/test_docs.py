@@ -284,18 +284,15 @@ def script_variables() -> dict[str, str]:
     return out
 
 
-def test_knobs() -> set[str]:
+def suite_knobs() -> set[str]:
     """Variables the test suite itself reads (os.environ.get("RANKSCOPE_...")), e.g. to rewrite a doc's figure."""
     return {m for p in python_files("tests") for m in re.findall(r'environ\.get\(\s*"(RANKSCOPE_[A-Z0-9_]+)"',
                                                                      p.read_text())}
 
 
-test_knobs.__test__ = False   # a helper, not a test
-
-
 @lru_cache(maxsize=None)
 def known_variables() -> set[str]:
-    return variables_read() | set(script_variables()) | test_knobs()
+    return variables_read() | set(script_variables()) | suite_knobs()
 
 
 # -- metric names, rules, alerts -----------------------------------------------------------------

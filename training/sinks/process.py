@@ -54,13 +54,13 @@ class SinkProcess:
 
     def start(self) -> None:
         read_end, write_end = os.pipe()
-        spec = pickle.dumps((self.urls, self.run, self.interval_s, self.backends))
         try:
+            spec = pickle.dumps((self.urls, self.run, self.interval_s, self.backends))
             self.child = subprocess.Popen([sys.executable, "-m", "rankscope.sinks.process", str(write_end)],
                                           stdin=subprocess.PIPE, pass_fds=(write_end,), close_fds=True)
             self.child.stdin.write(base64.b64encode(spec) + b"\n")
             self.child.stdin.flush()
-        except OSError as e:   # no process to be had: the records are lost, training goes on
+        except (OSError, pickle.PicklingError) as e:   # no process to be had: the records are lost, training goes on
             os.close(read_end)
             self.drop("sink", f"the sink's process did not start: {e}")
             self.child = None
@@ -68,11 +68,11 @@ class SinkProcess:
         finally:
             os.close(write_end)
         reports = os.fdopen(read_end, "rb")
-        self._reports = threading.Thread(target=self._count_reports, args=(reports,), name="rankscope-sink-reports",
-                                         daemon=True)
+        self._reports = threading.Thread(target=self._count_reports, args=(self.child, reports),
+                                         name="rankscope-sink-reports", daemon=True)
         self._reports.start()
 
-    def _count_reports(self, reports: IO[bytes]) -> None:
+    def _count_reports(self, child: subprocess.Popen[bytes], reports: IO[bytes]) -> None:
         with reports:
             for line in reports:
                 try:
@@ -80,6 +80,11 @@ class SinkProcess:
                     self.drop("sink", str(report["reason"]), n=int(report["n"]))
                 except (ValueError, KeyError, TypeError):
                     self.drop("sink", f"the sink's process reported {line[:200]!r}")
+        # The pipe ends with the child: said at once if it failed (it could not import rankscope,
+        # or died), not only at close. Killed at close (-9): counted there.
+        returncode = child.wait()
+        if returncode not in (0, -9):
+            self.drop("sink", f"the sink's process ended with {returncode} (its errors are in this job's log)")
 
     def stop(self, timeout_s: float = 3.0) -> None:
         """One last record, then the writers finish, in the child within ``timeout_s``; a child
@@ -100,8 +105,6 @@ class SinkProcess:
             self.drop("sink", f"the sink's process was still writing {timeout_s + STOP_MARGIN_S:.0f} s after close")
         if self._reports is not None:
             self._reports.join(1.0)
-        if child.returncode not in (0, -9):
-            self.drop("sink", f"the sink's process ended with {child.returncode} (its errors are in this job's log)")
 
 
 def _report_drops(out: IO[bytes]) -> Callable[..., None]:
