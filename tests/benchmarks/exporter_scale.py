@@ -129,7 +129,8 @@ def _rank_process(rank: int, world: int, run_dir: Path, ready_w: int, ops: list[
         child.inc(0.5)
     m.samples.inc(6400)
     m.tokens.inc(6400 * 512)
-    for g, v in ((m.loss, 2.3), (m.loss_ema, 2.31), (m.loss_z, 0.1), (m.grad_norm, 1.5), (m.lr, 1e-3)):
+    for g, v in ((m.observed["loss"], 2.3), (m.loss_ema, 2.31), (m.loss_z, 0.1), (m.observed["grad_norm"], 1.5),
+                 (m.observed["lr"], 1e-3)):
         g.set(v)
     for child in (*m.nonfinite.values(), m.loss_spikes, m.grad_spikes, m.ooms, m.alloc_retries, m.spans_dropped):
         child.inc(0)

@@ -123,7 +123,7 @@ def test_lightning_on_the_gpu_with_progress_bar_values_and_a_grad_norm(one_rank)
     monitor = callback.monitor
     m = monitor.parts.metrics
     figures = {"rankscope_syncs": syncs["rankscope"], "framework_syncs": syncs["framework"],
-               "steps": m.steps._value.get(), "grad_norm": m.grad_norm._value.get(), "loss": m.loss._value.get(),
+               "steps": m.steps._value.get(), "grad_norm": m.observed["grad_norm"]._value.get(), "loss": m.observed["loss"]._value.get(),
                "device": monitor.parts.device.index, "faults": faults(monitor)}
     record("lightning_gpu", figures)
     assert syncs["rankscope"] == [], syncs["rankscope"]
@@ -153,7 +153,7 @@ def test_hf_trainer_on_the_gpu(one_rank):
     monitor = callback.monitor
     m = monitor.parts.metrics
     figures = {"rankscope_syncs": syncs["rankscope"], "framework_syncs": syncs["framework"],
-               "steps": m.steps._value.get(), "grad_norm": m.grad_norm._value.get(), "loss": m.loss._value.get(),
+               "steps": m.steps._value.get(), "grad_norm": m.observed["grad_norm"]._value.get(), "loss": m.observed["loss"]._value.get(),
                "faults": faults(monitor)}
     record("hf_gpu", figures)
     assert syncs["rankscope"] == [], syncs["rankscope"]

@@ -35,7 +35,7 @@ while True:
     k += 1
     acc = Accumulator()
     acc.steps, acc.last_step, acc.last_duration, acc.last_end, acc.last_compute = 1, k, float(k), float(k), float(k)
-    acc.losses, acc.grad_norms, acc.lr = [k + 0.25], [k + 0.5], k + 0.75
+    acc.observed = {"loss": k + 0.25, "grad_norm": k + 0.5, "lr": k + 0.75}
     write_step_values(m, acc)
     time.sleep(0.0001)
 """
